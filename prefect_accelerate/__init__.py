@@ -1,0 +1,36 @@
+"""prefect-accelerate: Hugging Face Accelerate's command-line workflow as Prefect 3 tasks and flows.
+
+The package root stays light on purpose: `prefect-accelerate --help` and `launch --dry-run` must not
+import torch or prefect. Public names are re-exported lazily; ``from prefect_accelerate import
+check_environment`` imports Prefect only at that moment.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from prefect_accelerate._version import __version__
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "ClusterConfig": "prefect_accelerate.config.model",
+    "SageMakerConfig": "prefect_accelerate.config.model",
+    "load_config_file": "prefect_accelerate.config.io",
+    "save_config_file": "prefect_accelerate.config.io",
+    "default_config_path": "prefect_accelerate.config.paths",
+    "EnvReport": "prefect_accelerate.envreport.probe",
+    "collect_env_report": "prefect_accelerate.envreport.probe",
+    "PrefectAccelerateError": "prefect_accelerate.errors",
+    "ConfigError": "prefect_accelerate.errors",
+    "LaunchError": "prefect_accelerate.errors",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prefect_accelerate' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

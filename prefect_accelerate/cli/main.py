@@ -1,0 +1,76 @@
+"""`prefect-accelerate`: Accelerate's subcommands, run directly or as Prefect flows.
+
+Each subcommand lives in its own module with ``add_parser(subparsers)``; the module sets ``func`` on
+its parser. Nothing here imports torch or prefect, so `--help` stays fast (bench/cli_startup.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+from prefect_accelerate._version import __version__
+from prefect_accelerate.cli.parser import Parser
+from prefect_accelerate.errors import PrefectAccelerateError
+
+# Subcommand modules, in Accelerate's order first, then our own. Only implemented commands appear.
+COMMAND_MODULES: tuple[str, ...] = (
+    "prefect_accelerate.cli.config_cmd",
+    "prefect_accelerate.cli.env_cmd",
+    "prefect_accelerate.cli.fsdp2_cmd",
+    "prefect_accelerate.cli.check_cmd",
+)
+
+DEBUG_ENV = "PREFECT_ACCELERATE_DEBUG"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="prefect-accelerate",
+        usage="prefect-accelerate <command> [<args>]",
+        description=(
+            "Accelerate's command-line workflow as Prefect tasks and flows. The subcommands take the same "
+            "flags as `accelerate`; `--track`/`--no-track` choose between a Prefect flow run and a direct call."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"prefect-accelerate {__version__}")
+    parser.add_argument(
+        "--debug", dest="show_traceback", action="store_true",
+        help=f"Show Python tracebacks for errors (also: {DEBUG_ENV}=1).",
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="<command>", parser_class=Parser)
+    for module_name in COMMAND_MODULES:
+        importlib.import_module(module_name).add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 1
+    show_traceback = args.show_traceback or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        code = func(args)
+    except PrefectAccelerateError as error:
+        if show_traceback:
+            raise
+        print(f"error: {error.message}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print("Interrupted.", file=sys.stderr)
+        return 130
+    return int(code or 0)
+
+
+def entrypoint() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entrypoint()

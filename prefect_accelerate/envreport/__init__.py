@@ -1,0 +1,1 @@
+"""Probing this machine: versions, accelerators, memory (the `env` operation)."""

@@ -1,0 +1,74 @@
+"""Test-session set-up shared by every test module.
+
+The environment is fixed before anything imports Prefect or huggingface_hub: a private PREFECT_HOME
+and HF_HOME under the session's temp folder, Hub access off, analytics off, and the torchvision shim
+(tests/shims/sitecustomize.py) for this process and every child process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHIMS = REPO / "tests" / "shims"
+
+_SESSION_ROOT = Path(tempfile.mkdtemp(prefix="pa-tests-"))
+_ENV = {
+    "PREFECT_HOME": str(_SESSION_ROOT / "prefect-home"),
+    "HF_HOME": str(_SESSION_ROOT / "hf-home"),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_ACCELERATE_STATE_DIR": str(_SESSION_ROOT / "state"),
+    "PYTHONPATH": os.pathsep.join(p for p in (str(SHIMS), os.environ.get("PYTHONPATH", "")) if p),
+}
+os.environ.update(_ENV)
+os.environ.pop("PREFECT_API_URL", None)
+os.environ.pop("XDG_CACHE_HOME", None)
+sys.path.insert(0, str(SHIMS))
+import sitecustomize  # noqa: E402,F401  (the shim; a no-op when torchvision works)
+
+
+@pytest.fixture(scope="session")
+def session_root() -> Path:
+    return _SESSION_ROOT
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One Prefect test server for the whole session (its start-up takes 10-20 s on 2 cores)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+@pytest.fixture
+def hf_home(tmp_path, monkeypatch) -> Path:
+    """A private HF_HOME for one test, so the default config path is under tmp_path."""
+    home = tmp_path / "hf-home"
+    monkeypatch.setenv("HF_HOME", str(home))
+    return home
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch is a dependency
+        has_cuda = False
+    if has_cuda:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA; this machine has none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
