@@ -1,0 +1,1 @@
+"""The Accelerate config file: typed model, load/save, migrations, defaults, questionnaire."""
