@@ -8,8 +8,9 @@ fell back to CPU there).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
 
 from prefect_accelerate.config.enums import PrecisionType
 from prefect_accelerate.config.io import save_config_file
@@ -42,8 +43,11 @@ def build_default_config(mixed_precision: str = "no", accelerator: AcceleratorIn
     )
 
 
-@dataclass(frozen=True)
-class DefaultConfigResult:
+class DefaultConfigResult(BaseModel):
+    """What `config default` did."""
+
+    model_config = ConfigDict(frozen=True)
+
     path: Path
     config: ClusterConfig
     written: bool
@@ -84,6 +88,6 @@ def write_default_config(
         raise ConfigError(f"--config_file {path} is a folder. Pass a file path ending in .yaml or .json.")
     config = build_default_config(mixed_precision, accelerator)
     if path.exists() and not force:
-        return DefaultConfigResult(path, config, written=False)
+        return DefaultConfigResult(path=path, config=config, written=False)
     backup = save_config_file(config, path, backup=True)
-    return DefaultConfigResult(path, config, written=True, backup=backup)
+    return DefaultConfigResult(path=path, config=config, written=True, backup=backup)

@@ -8,9 +8,10 @@ without the `fsdp_` prefix are converted too.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_accelerate.config.enums import FSDP1_TO_FSDP2_RESHARD, FSDP_SHARDING_STRATEGY
 from prefect_accelerate.config.io import config_text, migrate, parse_config, read_raw, write_text_atomic
@@ -26,10 +27,13 @@ FSDP2_REMOVED = {
 }
 
 
-@dataclass(frozen=True)
-class Fsdp2Result:
+class Fsdp2Result(BaseModel):
+    """What `to-fsdp2` wrote, and notes on the keys it dropped."""
+
+    model_config = ConfigDict(frozen=True)
+
     output: Path
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
     converted: bool = True
     backup: Path | None = None
 
@@ -106,5 +110,5 @@ def convert_to_fsdp2(
     parse_config(data, source)  # refuse to write something that does not load
     text = config_text(converted, target)
     backup = write_text_atomic(target, text, backup=True)
-    return Fsdp2Result(target, notes, converted=True, backup=backup)
+    return Fsdp2Result(output=target, notes=notes, converted=True, backup=backup)
 

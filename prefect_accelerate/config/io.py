@@ -13,12 +13,11 @@ import json
 import os
 import re
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from prefect_accelerate.config.model import (
     AnyConfig,
@@ -116,13 +115,12 @@ def read_raw(path: Path) -> dict[str, Any]:
     return raw
 
 
-@dataclass
-class Migration:
+class Migration(BaseModel):
     """What loading did to an older file so that it matches the current format."""
 
-    changes: list[str] = field(default_factory=list)
+    changes: list[str] = Field(default_factory=list)
     #: top-level keys a migration step added, removed or rewrote
-    touched: set[str] = field(default_factory=set)
+    touched: set[str] = Field(default_factory=set)
 
     def note(self, text: str, *keys: str) -> None:
         self.changes.append(text)
@@ -241,8 +239,7 @@ def parse_config(data: dict[str, Any], path: Path) -> AnyConfig:
         raise ConfigError(_validation_message(error, data, path)) from None
 
 
-@dataclass
-class LoadedConfig:
+class LoadedConfig(BaseModel):
     """A validated config, where it came from and what migration changed."""
 
     config: AnyConfig
@@ -260,7 +257,9 @@ def load_config_path(path: str | os.PathLike[str], *, source: str = "passed", dr
     file = Path(path).expanduser()
     raw = read_raw(file)
     data, migration = migrate(raw, file, drop_removed=drop_removed)
-    return LoadedConfig(parse_config(data, file), ConfigLocation(file, source), migration, raw)  # type: ignore[arg-type]
+    return LoadedConfig(
+        config=parse_config(data, file), location=ConfigLocation(file, source), migration=migration, raw=raw  # type: ignore[arg-type]
+    )
 
 
 def load_config_file(config_file: str | os.PathLike[str] | None = None, *, required: bool = True) -> LoadedConfig | None:

@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -187,6 +188,12 @@ class Section(BaseModel):
         section = handler(normalized)
         section._spelling = spelling
         return section
+
+    @model_serializer(mode="wrap")
+    def _only_set_keys(self, handler):
+        # a dump that re-validates to the same section: unset keys stay unset, spellings are kept
+        data = handler(self)
+        return {self._spelling.get(key, key): value for key, value in data.items() if key in self.model_fields_set}
 
     def to_dict(self) -> dict[str, Any]:
         """The section as the file holds it: only keys that were set, spelled as they were read."""

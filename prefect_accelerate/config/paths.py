@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
 
 DEFAULT_YAML_NAME = "default_config.yaml"
 LEGACY_JSON_NAME = "default_config.json"
@@ -42,12 +43,16 @@ def legacy_json_config_path(environ: Mapping[str, str] | None = None) -> Path:
 ConfigSource = Literal["passed", "default", "legacy-default"]
 
 
-@dataclass(frozen=True)
-class ConfigLocation:
+class ConfigLocation(BaseModel):
     """A config file and how it was chosen (shown to the user, reference §10.1)."""
+
+    model_config = ConfigDict(frozen=True)
 
     path: Path
     source: ConfigSource
+
+    def __init__(self, path: Path | str, source: ConfigSource = "passed", **data) -> None:
+        super().__init__(path=Path(path), source=source, **data)
 
     def describe(self) -> str:
         if self.source == "passed":
@@ -70,3 +75,10 @@ def find_default_config(environ: Mapping[str, str] | None = None) -> ConfigLocat
 
 def searched_locations(environ: Mapping[str, str] | None = None) -> list[Path]:
     return [default_config_path(environ), legacy_json_config_path(environ)]
+
+
+def config_missing(config_file: str | os.PathLike[str] | None) -> bool:
+    """True when `config_file` (or, for None, any default config) does not exist yet."""
+    if config_file:
+        return not Path(config_file).expanduser().exists()
+    return find_default_config() is None

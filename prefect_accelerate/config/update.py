@@ -8,9 +8,10 @@ changes, the changes are listed, and a missing file is an error that says where 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_accelerate.config.io import config_text, migrate, parse_config, read_raw, write_text_atomic
 from prefect_accelerate.config.model import AnyConfig
@@ -18,11 +19,14 @@ from prefect_accelerate.config.paths import ConfigLocation, find_default_config,
 from prefect_accelerate.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class UpdateResult:
+class UpdateResult(BaseModel):
+    """What `config update` did: the file, the migrated config and the list of changes."""
+
+    model_config = ConfigDict(frozen=True)
+
     location: ConfigLocation
     config: AnyConfig
-    changes: list[str] = field(default_factory=list)
+    changes: list[str] = Field(default_factory=list)
     written: bool = False
     backup: Path | None = None
 
@@ -100,7 +104,7 @@ def update_config_file(config_file: str | os.PathLike[str] | None = None) -> Upd
     config = parse_config(data, location.path)
     text = config_text(config, location.path)
     if location.path.read_text(encoding="utf-8") == text:
-        return UpdateResult(location, config)
+        return UpdateResult(location=location, config=config)
     changes = list(migration.changes)
     for key, change in describe_changes(raw, config.to_dict()):
         if key not in migration.touched:
@@ -108,4 +112,4 @@ def update_config_file(config_file: str | os.PathLike[str] | None = None) -> Upd
     if not changes:
         changes.append("rewrote the file in the canonical layout (keys sorted)")
     backup = write_text_atomic(location.path, text, backup=True)
-    return UpdateResult(location, config, changes, written=True, backup=backup)
+    return UpdateResult(location=location, config=config, changes=changes, written=True, backup=backup)

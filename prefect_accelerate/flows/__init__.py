@@ -1,0 +1,23 @@
+"""Prefect flows composing the tasks into pipelines. Importing this package imports Prefect."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "check_environment": "prefect_accelerate.flows.check",
+    "env_flow": "prefect_accelerate.flows.check",
+    "config_default_flow": "prefect_accelerate.flows.config",
+    "config_update_flow": "prefect_accelerate.flows.config",
+    "to_fsdp2_flow": "prefect_accelerate.flows.config",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prefect_accelerate.flows' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

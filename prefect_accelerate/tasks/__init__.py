@@ -1,0 +1,27 @@
+"""Prefect tasks: thin wrappers that add retries, caching, run names, logging and artifacts.
+
+Importing this package imports Prefect. The business logic lives in the core packages
+(config, envreport, memory, launchers), which never import Prefect.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "config_default": "prefect_accelerate.tasks.config",
+    "config_update": "prefect_accelerate.tasks.config",
+    "load_config": "prefect_accelerate.tasks.config",
+    "to_fsdp2": "prefect_accelerate.tasks.config",
+    "env_report": "prefect_accelerate.tasks.env",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prefect_accelerate.tasks' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
