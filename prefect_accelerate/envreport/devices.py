@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import platform
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 #: accelerator kind -> distributed_type for more than one device (MPS never runs several)
@@ -26,6 +29,9 @@ VISIBLE_DEVICES_VARIABLE = {
 }
 
 _PLUGINS = {"npu": "torch_npu", "mlu": "torch_mlu"}
+
+#: accelerator kind -> the key of the one device line `accelerate env` prints (reference §2.4, §12)
+DEVICE_LINE_KEY = {"cuda": "GPU type", "xpu": "XPU type", "mlu": "MLU type", "npu": "CANN version", "mps": "MPS type"}
 
 
 @dataclass(frozen=True)
@@ -97,3 +103,35 @@ def detect_accelerator() -> AcceleratorInfo:
     if mps is not None and _available(mps):
         return AcceleratorInfo("mps", (Device(0, "Apple MPS", None),))
     return AcceleratorInfo(None, ())
+
+
+def device_line(info: AcceleratorInfo) -> tuple[str, str] | None:
+    """The device line of `accelerate env` for `info`: ("GPU type", name) and so on; None on CPU.
+
+    CUDA, XPU and MLU show the first device's name (Accelerate asks for the current device, which is
+    device 0 unless a script changed it); NPU shows the CANN version torch_npu records; MPS shows the
+    CPU brand, as Accelerate 1.16 does.
+    """
+    key = DEVICE_LINE_KEY.get(info.kind or "")
+    if key is None:
+        return None
+    if info.kind == "npu":
+        import torch
+
+        return key, str(getattr(torch.version, "cann", None))
+    if info.kind == "mps":
+        return key, _apple_chip_name()
+    return key, info.devices[0].name if info.devices else "unknown"
+
+
+def _apple_chip_name() -> str:
+    if sys.platform == "darwin":
+        try:
+            name = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, timeout=5, check=True
+            ).stdout.strip()
+            if name:
+                return name
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or "Apple Silicon"

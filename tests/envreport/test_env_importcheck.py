@@ -1,0 +1,76 @@
+"""The import check: a failing, crashing, hanging or chatty import is a line in the report, never our error."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from prefect_accelerate.envreport.importcheck import EngineSpec, ImportCheck
+
+
+@pytest.fixture
+def fake_packages(tmp_path, monkeypatch):
+    """Write tiny packages whose import does one thing each; the child sees them through PYTHONPATH."""
+
+    def write(**bodies: str) -> list[EngineSpec]:
+        for name, body in bodies.items():
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "__init__.py").write_text(textwrap.dedent(body))
+        return [EngineSpec(name, name, name) for name in bodies]
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{__import__('os').environ.get('PYTHONPATH', '')}")
+    return write
+
+
+def by_name(probes):
+    return {p.module: p for p in probes}
+
+
+def test_working_and_failing_imports_are_told_apart(fake_packages):
+    engines = fake_packages(
+        fine_pkg="VALUE = 1\n",
+        broken_pkg="raise RuntimeError('operator torchvision::nms does not exist')\n",
+    )
+    with ImportCheck(engines) as check:
+        probes = by_name(check.results())
+    assert probes["fine_pkg"].installed and probes["fine_pkg"].importable is True
+    assert probes["broken_pkg"].installed and probes["broken_pkg"].importable is False
+    assert probes["broken_pkg"].error == "RuntimeError: operator torchvision::nms does not exist"
+
+
+def test_what_an_import_prints_does_not_confuse_the_results(fake_packages):
+    engines = fake_packages(chatty_pkg="import os, sys\nprint('{\"module\": \"x\"', end='')\nos.write(1, b'junk')\nsys.stdout.flush()\n")
+    with ImportCheck(engines) as check:
+        assert check.results()[0].importable is True
+
+
+def test_a_crash_blames_the_import_that_was_running_and_leaves_the_rest_unchecked(fake_packages):
+    engines = fake_packages(first_pkg="", crash_pkg="import os\nos._exit(3)\n", last_pkg="")
+    with ImportCheck(engines) as check:
+        probes = by_name(check.results())
+    assert probes["first_pkg"].importable is True
+    assert probes["crash_pkg"].importable is False and "exited with code 3" in probes["crash_pkg"].error
+    assert probes["last_pkg"].importable is None and probes["last_pkg"].error.startswith("not checked")
+
+
+def test_a_hanging_import_is_reported_after_the_timeout(fake_packages):
+    engines = fake_packages(slow_pkg="import time\ntime.sleep(60)\n")
+    with ImportCheck(engines, timeout=1.0) as check:
+        probe = check.results()[0]
+    assert probe.importable is None and "did not finish within 1 s" in probe.error
+
+
+def test_packages_that_are_not_installed_are_not_imported():
+    check = ImportCheck([EngineSpec("surely_not_installed_pkg", "surely-not-installed-pkg", "x")])
+    assert check._process is None
+    probe = check.results()[0]
+    assert (probe.installed, probe.version, probe.importable) == (False, None, False)
+
+
+def test_without_the_check_nothing_is_imported(fake_packages):
+    engines = fake_packages(never_pkg="raise SystemExit('imported')\n")
+    check = ImportCheck(engines, check_imports=False)
+    assert check._process is None
+    assert check.results()[0].importable is None
