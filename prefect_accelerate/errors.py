@@ -85,6 +85,14 @@ class PreflightError(PrefectAccelerateError):
     """A preflight step (config, environment, memory fit, self-test) says the launch would fail."""
 
 
+class Terminated(BaseException):
+    """SIGTERM reached a process that had no handler of its own (the plain CLI); raised to unwind cleanly."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"received signal {signum}")
+        self.signum = signum
+
+
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """Return ' Did you mean `x`?' for the closest candidate, or '' when nothing is close."""
     close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 
 from prefect_accelerate._version import __version__
 from prefect_accelerate.cli.parser import Parser
-from prefect_accelerate.errors import PrefectAccelerateError
+from prefect_accelerate.errors import PrefectAccelerateError, Terminated
 
 # Subcommand modules, in Accelerate's order first, then our own. Only implemented commands appear.
 COMMAND_MODULES: tuple[str, ...] = (
     "prefect_accelerate.cli.config_cmd",
     "prefect_accelerate.cli.env_cmd",
+    "prefect_accelerate.cli.launch_cmd",
     "prefect_accelerate.cli.fsdp2_cmd",
     "prefect_accelerate.cli.check_cmd",
 )
@@ -63,8 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {error.message}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
-        print("Interrupted.", file=sys.stderr)
+        print("Interrupted; every process the command started was stopped.", file=sys.stderr)
         return 130
+    except Terminated as signal_exit:
+        print(f"Stopped by signal {signal_exit.signum}; every process the command started was stopped.", file=sys.stderr)
+        return 128 + signal_exit.signum
     return int(code or 0)
 
 

@@ -1,0 +1,43 @@
+"""`launch_flow`: one launch as a flow run, with the hook that ends orphaned processes.
+
+`end_launch_processes` is the shipped on_cancellation/on_crashed hook: it reads the state files of
+this flow run's launches and ends every process still alive (launchers/state.py). Add it to your own
+flows that call the `launch` task.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+
+from prefect_accelerate.launchers.options import LaunchOptions
+from prefect_accelerate.launchers.plan import LaunchPlan
+from prefect_accelerate.launchers.result import LaunchResult
+from prefect_accelerate.launchers.state import end_recorded_launches
+from prefect_accelerate.tasks.launch import launch
+
+
+def end_launch_processes(flow, flow_run, state) -> None:  # noqa: ARG001 - Prefect's hook signature
+    """Hook: end whatever the launches of this flow run left behind (idempotent)."""
+    ended = end_recorded_launches(str(flow_run.id))
+    if ended:
+        try:
+            get_run_logger().warning("Ended %d leftover launch process(es): %s", len(ended), ended)
+        except Exception:
+            print(f"prefect-accelerate: ended leftover launch processes {ended}")
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters
+    plan = params.get("plan")
+    options = params.get("options")
+    script = getattr(options, "training_script", None) or (plan.argv[-1] if plan else "script")
+    launcher = plan.launcher if plan else "launch"
+    return f"launch-{launcher}-{script.rsplit('/', 1)[-1]}"
+
+
+@flow(name="launch", flow_run_name=_flow_run_name, on_cancellation=[end_launch_processes], on_crashed=[end_launch_processes])
+def launch_flow(options: LaunchOptions | None = None, plan: LaunchPlan | None = None) -> LaunchResult:
+    """Run one launch as a Prefect flow (what `prefect-accelerate launch` does when tracked)."""
+    return launch(options=options, plan=plan)

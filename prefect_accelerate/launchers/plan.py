@@ -1,0 +1,80 @@
+"""LaunchPlan: exactly what a launch will run, as frozen, printable, comparable data.
+
+A plan is the seam between "what" and "where" (STYLE.md, from TorchX): `--dry-run` prints it, the
+launch task logs it, golden tests compare it, and only `process.py` or an engine's `submit` acts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefect_accelerate.launchers.environment import SECRET_ENV_NAMES
+
+REDACTED = "***"
+
+
+class LaunchPlan(BaseModel):
+    """One command on one machine (or one remote job request), with the environment it adds."""
+
+    model_config = ConfigDict(frozen=True)
+
+    launcher: str
+    argv: tuple[str, ...]
+    #: variables added to or changed in the launching process's environment
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str
+    #: env names whose values must never be shown (beyond the always-secret names)
+    secret_env: frozenset[str] = frozenset()
+    num_processes: int = 1
+    num_machines: int = 1
+    machine_rank: int = 0
+    #: where logs, error files and state for this launch go
+    run_dir: str | None = None
+    warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+    #: files the launch writes before starting (path -> content), e.g. DeepSpeed's .deepspeed_env
+    files: dict[str, str] = Field(default_factory=dict)
+
+    def is_secret(self, name: str) -> bool:
+        return name in self.secret_env or name in SECRET_ENV_NAMES
+
+    def redacted_env(self) -> dict[str, str]:
+        return {k: (REDACTED if self.is_secret(k) else v) for k, v in self.env.items()}
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The `--dry-run --json` object: launcher, argv, env (added or changed, secrets redacted), cwd."""
+        data: dict[str, Any] = {"launcher": self.launcher, "argv": list(self.argv), "env": self.redacted_env(), "cwd": self.cwd}
+        if self.files:
+            data["files"] = {path: _redact_text(content, self) for path, content in self.files.items()}
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_json_dict(), indent=2, sort_keys=False)
+
+    def command_line(self) -> str:
+        return shlex.join(self.argv)
+
+    def describe(self) -> str:
+        """Human-readable dry-run text."""
+        lines = [f"Launcher: {self.launcher}", f"Working directory: {self.cwd}", "Command:", f"  {self.command_line()}"]
+        if self.env:
+            lines.append("Environment added for the launch:")
+            lines += [f"  {k}={v}" for k, v in self.redacted_env().items()]
+        for path, content in self.files.items():
+            lines.append(f"File written before the launch: {path}")
+            lines += [f"  {line}" for line in _redact_text(content, self).splitlines()]
+        lines += [f"Note: {n}" for n in self.notes]
+        lines += [f"Warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def _redact_text(text: str, plan: LaunchPlan) -> str:
+    out = []
+    for line in text.splitlines(keepends=True):
+        name = line.split("=", 1)[0]
+        out.append(f"{name}={REDACTED}\n" if "=" in line and plan.is_secret(name) else line)
+    return "".join(out)

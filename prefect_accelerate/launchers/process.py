@@ -1,0 +1,261 @@
+"""Run a LaunchPlan as a supervised local process tree. No Prefect import: callers pass a line callback.
+
+Facts this module is built on (spike-prefect-torch §3.1, §4.3, §4.4; prefect-and-peers §2.8):
+- torchrun starts every worker in a session of its own, so a process-group signal never reaches them;
+  SIGTERM to torchrun stops them within a second, while SIGKILL to torchrun orphans them.
+- Prefect delivers cancellation as an exception in the main thread; `subprocess.run` answers any
+  exception with SIGKILL. So: Popen, our own wait loop, and on every exit path SIGTERM to the launcher,
+  a grace period shorter than Prefect's 30 s, then SIGKILL for the launcher and every descendant we saw.
+- The launcher starts in its own session and its pids go to a state file, so a flow-level hook can
+  end them if this process is killed before it could (launchers/state.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from prefect_accelerate.errors import LaunchError, Terminated
+from prefect_accelerate.launchers.plan import REDACTED, LaunchPlan
+from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, read_error_file
+from prefect_accelerate.launchers.state import new_run_dir, remove_state, write_state
+
+#: seconds between SIGTERM and SIGKILL; below Prefect's 30 s so we finish before it kills us
+GRACE_SECONDS = 20.0
+#: how often the wait loop checks the deadline and looks for new descendants
+POLL_SECONDS = 0.2
+TAIL_LINES = 200
+
+#: (label, line) -> None; label is "rank N" for rank-prefixed lines, else the launcher's name
+LineCallback = Callable[[str, str], None]
+
+_RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_][\w-]*?)(?P<rank>\d+)\]:")
+
+
+def split_rank(line: str, default: str) -> tuple[str, str]:
+    """("rank 3", text) for torchrun's `[default3]:text` lines, else (default, line)."""
+    match = _RANK_PREFIX.match(line)
+    if match:
+        return f"rank {match.group('rank')}", line[match.end():]
+    return default, line
+
+
+class _Redactor:
+    def __init__(self, values: list[str]) -> None:
+        self._values = sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)
+
+    def __call__(self, line: str) -> str:
+        for value in self._values:
+            if value in line:
+                line = line.replace(value, REDACTED)
+        return line
+
+
+class _Tracker:
+    """Every descendant of the launcher seen so far, with its start time (so a reused pid is never hit)."""
+
+    def __init__(self, pid: int) -> None:
+        import psutil
+
+        self.root = psutil.Process(pid)
+        self.seen: dict[int, float] = {pid: self.root.create_time()}
+
+    def refresh(self) -> bool:
+        import psutil
+
+        changed = False
+        try:
+            children = self.root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            return False
+        for child in children:
+            try:
+                if child.pid not in self.seen:
+                    self.seen[child.pid] = child.create_time()
+                    changed = True
+            except psutil.NoSuchProcess:
+                continue
+        return changed
+
+    def alive(self):
+        import psutil
+
+        procs = []
+        for pid, started in self.seen.items():
+            try:
+                proc = psutil.Process(pid)
+                if abs(proc.create_time() - started) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE:
+                    procs.append(proc)
+            except psutil.NoSuchProcess:
+                continue
+        return procs
+
+    def as_records(self) -> list[dict[str, float | int]]:
+        return [{"pid": pid, "create_time": started} for pid, started in self.seen.items()]
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception():
+    """In the main thread of a process without its own SIGTERM handler, turn SIGTERM into Terminated."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum, frame):  # noqa: ARG001
+        raise Terminated(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # the launcher leads its own session and group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def terminate_tree(process: subprocess.Popen, tracker: _Tracker, grace: float) -> None:
+    """SIGTERM the launcher (it stops its workers), wait `grace`, then SIGKILL whatever is left."""
+    import psutil
+
+    tracker.refresh()
+    if process.poll() is None:
+        _signal_group(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while process.poll() is None and time.monotonic() < deadline:
+            tracker.refresh()
+            time.sleep(0.05)
+    leftovers = tracker.alive()
+    for proc in leftovers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, leftovers = psutil.wait_procs(leftovers, timeout=min(grace, 3.0))
+    _signal_group(process.pid, signal.SIGKILL)
+    for proc in leftovers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(leftovers, timeout=5)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
+
+
+def run_plan(
+    plan: LaunchPlan,
+    *,
+    on_line: LineCallback | None = None,
+    timeout: float | None = None,
+    grace: float = GRACE_SECONDS,
+    flow_run_id: str | None = None,
+    task_run_id: str | None = None,
+) -> LaunchResult:
+    """Start the plan's command, stream its output, and make sure nothing it started outlives it.
+
+    Args:
+        plan: what to run.
+        on_line: called with (label, line) for every output line (secrets redacted).
+        timeout: wall-clock deadline in seconds; the tree is stopped and the result says timed_out.
+        grace: seconds between SIGTERM and SIGKILL when stopping.
+        flow_run_id, task_run_id: recorded in the state file for the cancellation hook.
+
+    Returns:
+        The LaunchResult (also for failures; call `raise_for_failure()`). Interrupts (Ctrl-C, SIGTERM,
+        Prefect cancellation) stop the tree and are re-raised.
+    """
+    run_dir = Path(plan.run_dir) if plan.run_dir else new_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name, content in plan.files.items():
+        target = Path(name) if os.path.isabs(name) else run_dir / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content)
+    log_path = run_dir / "launch.log"
+    env = {**os.environ, **plan.env}
+    redact = _Redactor([value for name, value in env.items() if plan.is_secret(name)])
+    label_default = plan.launcher
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    command = redact(plan.command_line())
+    started = time.monotonic()
+    try:
+        process = subprocess.Popen(
+            list(plan.argv), cwd=plan.cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    except FileNotFoundError as error:
+        raise LaunchError(
+            f"Could not start {plan.argv[0]!r}: {error.strerror}. With --no_python the script must be an executable "
+            f"file; otherwise check that the interpreter exists. Working directory: {plan.cwd}."
+        ) from None
+    except PermissionError:
+        raise LaunchError(f"{plan.argv[0]!r} is not executable. Make it executable (chmod +x) or drop --no_python.") from None
+
+    tracker = _Tracker(process.pid)
+    launch_id = run_dir.name
+    state = {"pid": process.pid, "pgid": process.pid, "flow_run_id": flow_run_id, "task_run_id": task_run_id,
+             "run_dir": str(run_dir), "command": command, "started_at": time.time()}
+    write_state(launch_id, {**state, "processes": tracker.as_records()})
+
+    def read_output() -> None:
+        with open(log_path, "a", encoding="utf-8") as log:
+            assert process.stdout is not None
+            for raw in iter(process.stdout.readline, b""):
+                line = redact(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
+                log.write(line + "\n")
+                log.flush()
+                tail.append(line)
+                if on_line is not None:
+                    label, text = split_rank(line, label_default)
+                    try:
+                        on_line(label, text)
+                    except Exception:  # a broken callback must not stop the draining
+                        pass
+
+    reader = threading.Thread(target=contextvars.copy_context().run, args=(read_output,), name="launch-output", daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        with _sigterm_as_exception():
+            deadline = None if not timeout else started + timeout
+            while process.poll() is None:
+                if tracker.refresh():
+                    write_state(launch_id, {**state, "processes": tracker.as_records()})
+                if deadline is not None and time.monotonic() >= deadline:
+                    timed_out = True
+                    break
+                time.sleep(POLL_SECONDS)
+    finally:
+        # every path: normal exit (reap stragglers), deadline, error, Ctrl-C, SIGTERM, cancellation
+        terminate_tree(process, tracker, grace)
+        reader.join(timeout=10)
+        remove_state(launch_id)
+
+    duration = time.monotonic() - started
+    code = process.returncode if process.returncode is not None else -9
+    lines = list(tail)
+    failures, root_rank = parse_rank_failures(lines) if code != 0 else ([], None)
+    message, error_code = read_error_file(run_dir / "error.json") if code != 0 else (None, None)
+    worker_code = code
+    if failures:
+        worker_code = failures[0].exit_code
+    elif error_code is not None:
+        worker_code = error_code
+    if worker_code < 0:  # killed by a signal: report it the shell's way
+        worker_code = 128 - worker_code
+    if timed_out:
+        worker_code = TIMEOUT_EXIT_CODE
+    return LaunchResult(
+        launcher=plan.launcher, command=command, exit_code=worker_code, launcher_exit_code=code,
+        failed_ranks=failures, root_cause_rank=root_rank, error=message, duration_s=round(duration, 3), run_dir=str(run_dir),
+        log_path=str(log_path), tail=lines[-40:], timed_out=timed_out,
+    )

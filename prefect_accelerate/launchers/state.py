@@ -1,0 +1,117 @@
+"""Where launches keep their run folders and the state files that let a hook end orphaned processes.
+
+PREFECT_ACCELERATE_STATE_DIR, else $XDG_CACHE_HOME/prefect-accelerate, else ~/.cache/prefect-accelerate.
+A running launch writes `launches/<id>.json` (pids with their start times, flow and task run ids); a
+finished one removes it. `end_recorded_launches` reads them and ends what is left, matching each pid's
+start time so a recycled pid is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+STATE_ENV = "PREFECT_ACCELERATE_STATE_DIR"
+
+
+def state_dir() -> Path:
+    if os.environ.get(STATE_ENV):
+        return Path(os.path.expanduser(os.environ[STATE_ENV]))
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "prefect-accelerate"
+
+
+def new_run_dir(prefix: str = "launch") -> Path:
+    """A fresh, unique folder name under <state>/runs (not created)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return state_dir() / "runs" / f"{stamp}-{prefix}-{secrets.token_hex(3)}"
+
+
+def launches_dir() -> Path:
+    return state_dir() / "launches"
+
+
+def write_state(launch_id: str, data: dict[str, Any]) -> Path:
+    folder = launches_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{launch_id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**data, "host": socket.gethostname()}, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def remove_state(launch_id: str) -> None:
+    try:
+        (launches_dir() / f"{launch_id}.json").unlink()
+    except FileNotFoundError:
+        pass
+
+
+def recorded_launches(flow_run_id: str | None = None) -> list[dict[str, Any]]:
+    """State files of this host's running launches, optionally only those of one flow run."""
+    out = []
+    for path in sorted(launches_dir().glob("*.json")) if launches_dir().exists() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("host") != socket.gethostname():
+            continue
+        if flow_run_id is not None and str(data.get("flow_run_id")) != str(flow_run_id):
+            continue
+        data["_path"] = str(path)
+        out.append(data)
+    return out
+
+
+def _alive_matching(processes: Iterable[dict[str, Any]]):
+    import psutil
+
+    alive = []
+    for entry in processes:
+        try:
+            proc = psutil.Process(int(entry["pid"]))
+            if abs(proc.create_time() - float(entry["create_time"])) < 0.05:
+                alive.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
+            continue
+    return alive
+
+
+def end_recorded_launches(flow_run_id: str | None = None, grace: float = 10.0) -> list[int]:
+    """End every process recorded for `flow_run_id` (all of this host's when None). Idempotent.
+
+    SIGTERM first (torchrun then stops its workers), SIGKILL after `grace` seconds. Returns the pids
+    that were signalled.
+    """
+    import psutil
+
+    signalled: list[int] = []
+    for data in recorded_launches(flow_run_id):
+        processes = _alive_matching(data.get("processes", []))
+        for proc in processes:
+            try:
+                proc.send_signal(signal.SIGTERM)
+                signalled.append(proc.pid)
+            except psutil.NoSuchProcess:
+                pass
+        _, still = psutil.wait_procs(processes, timeout=grace)
+        for proc in still:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(still, timeout=5)
+        try:
+            Path(data["_path"]).unlink()
+        except FileNotFoundError:
+            pass
+    return signalled

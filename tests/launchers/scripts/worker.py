@@ -1,0 +1,48 @@
+"""Test worker for launch tests. Behaviour by environment variable:
+
+WORKER_PID_DIR: write this process's pid to <dir>/<rank>.pid
+WORKER_MODE: allreduce (default) | fail_rank1 | raise_rank1 | sleep | env_dump
+WORKER_ENV_DIR: for env_dump, write os.environ as JSON to <dir>/<rank>.json
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    pid_dir = os.environ.get("WORKER_PID_DIR")
+    if pid_dir:
+        with open(os.path.join(pid_dir, f"{rank}.pid"), "w") as handle:
+            handle.write(str(os.getpid()))
+    mode = os.environ.get("WORKER_MODE", "allreduce")
+    if mode == "env_dump":
+        with open(os.path.join(os.environ["WORKER_ENV_DIR"], f"{rank}.json"), "w") as handle:
+            json.dump(dict(os.environ), handle)
+        return
+    if mode == "sleep":
+        print(f"rank {rank} sleeping", flush=True)
+        time.sleep(600)
+        return
+    dist.init_process_group("gloo")
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum {value.item():.1f}", flush=True)
+    if mode == "fail_rank1" and dist.get_rank() == 1:
+        dist.destroy_process_group()
+        sys.exit(3)
+    if mode == "raise_rank1" and dist.get_rank() == 1:
+        raise RuntimeError("rank 1 deliberate failure")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
