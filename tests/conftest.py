@@ -34,6 +34,7 @@ os.environ.update(_ENV)
 os.environ.pop("PREFECT_API_URL", None)
 os.environ.pop("XDG_CACHE_HOME", None)
 sys.path.insert(0, str(SHIMS))
+sys.path.insert(0, str(REPO / "tests"))  # shared test helpers: `from helpers.x import ...`
 import sitecustomize  # noqa: E402,F401  (the shim; a no-op when torchvision works)
 
 
