@@ -41,6 +41,6 @@ def run(args: argparse.Namespace) -> int:
             print(created.message())
             config_file = str(created.path)
         loaded = load_config_file(config_file)
-        report = collect_env_report(str(loaded.path))
+        report = collect_env_report(str(loaded.path) if loaded.location.source == "passed" else None)
     print(render_text(report))
     return 0

@@ -37,10 +37,11 @@ def check_environment(config_file: str | None = None, create_if_missing: bool = 
         logger.info(created.message())
         config_file = str(created.path)
     loaded = load_config(config_file)
-    return env_report(str(loaded.path))
+    # keep "default" vs "passed" in the report: pass the path only when the user named it
+    return env_report(str(loaded.path) if loaded.location.source == "passed" else None)
 
 
 @flow(name="env", log_prints=True)
-def env_flow(config_file: str | None = None) -> EnvReport:
+def env_flow(config_file: str | None = None, check_imports: bool = True) -> EnvReport:
     """The `env` report as a tracked flow run (one task and its artifact)."""
-    return env_report(config_file)
+    return env_report(config_file, check_imports)
