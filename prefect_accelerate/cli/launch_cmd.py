@@ -91,9 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
         result = launch_flow(options=options, plan=plan)
     else:
-        from prefect_accelerate.launchers.process import run_plan
+        from prefect_accelerate.launchers.execute import execute
 
-        result = run_plan(plan, on_line=_raw_echo, timeout=options.timeout, grace=options.grace_period)
+        result = execute(plan, on_line=_raw_echo, timeout=options.timeout, grace=options.grace_period)
     result.raise_for_failure()
     return 0
 

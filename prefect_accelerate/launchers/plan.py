@@ -36,8 +36,11 @@ class LaunchPlan(BaseModel):
     run_dir: str | None = None
     warnings: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
-    #: files the launch writes before starting (path -> content), e.g. DeepSpeed's .deepspeed_env
+    #: files the launch writes before starting (path -> content), e.g. DeepSpeed's .deepspeed_env;
+    #: a relative path is relative to run_dir
     files: dict[str, str] = Field(default_factory=dict)
+    #: for remote engines (SageMaker): the job request, JSON-able, secrets already left out
+    request: dict[str, Any] | None = None
 
     def is_secret(self, name: str) -> bool:
         return name in self.secret_env or name in SECRET_ENV_NAMES
@@ -50,6 +53,8 @@ class LaunchPlan(BaseModel):
         data: dict[str, Any] = {"launcher": self.launcher, "argv": list(self.argv), "env": self.redacted_env(), "cwd": self.cwd}
         if self.files:
             data["files"] = {path: _redact_text(content, self) for path, content in self.files.items()}
+        if self.request is not None:
+            data["request"] = self.request
         return data
 
     def to_json(self) -> str:
@@ -67,6 +72,9 @@ class LaunchPlan(BaseModel):
         for path, content in self.files.items():
             lines.append(f"File written before the launch: {path}")
             lines += [f"  {line}" for line in _redact_text(content, self).splitlines()]
+        if self.request is not None:
+            lines.append("Remote job request:")
+            lines += [f"  {line}" for line in json.dumps(self.request, indent=2, sort_keys=True).splitlines()]
         lines += [f"Note: {n}" for n in self.notes]
         lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)

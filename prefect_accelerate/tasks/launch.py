@@ -15,7 +15,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect_accelerate.launchers import plan_launch
 from prefect_accelerate.launchers.options import LaunchOptions
 from prefect_accelerate.launchers.plan import LaunchPlan
-from prefect_accelerate.launchers.process import GRACE_SECONDS, run_plan
+from prefect_accelerate.launchers.execute import execute
+from prefect_accelerate.launchers.process import GRACE_SECONDS
 from prefect_accelerate.launchers.result import LaunchResult
 
 RESULT_ARTIFACT_KEY = "launch-result"
@@ -96,7 +97,7 @@ def launch(
     def log_line(label: str, line: str) -> None:
         logger.info("[%s] %s", label, line)
 
-    result = run_plan(
+    result = execute(
         plan,
         on_line=log_line,
         timeout=timeout if timeout is not None else (options.timeout if options is not None else None),

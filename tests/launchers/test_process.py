@@ -1,0 +1,156 @@
+"""Real launches on this machine: gloo process groups, two "nodes" on 127.0.0.1, failures, signals, deadlines.
+
+Every worker writes its pid to a file; after each stop the test polls until all of them are gone.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from prefect_accelerate.launchers import plan_launch
+from prefect_accelerate.launchers.options import build_launch_options
+from prefect_accelerate.launchers.process import run_plan, split_rank
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = str(REPO / "tests" / "launchers" / "scripts" / "worker.py")
+CLI = [sys.executable, "-m", "prefect_accelerate.cli.main", "launch", "--no-track"]
+QUIET = ["--mixed_precision", "no", "--num_machines", "1", "--dynamo_backend", "no"]
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(tmp_path: Path, mode: str, **extra: str) -> dict[str, str]:
+    pids = tmp_path / "pids"
+    pids.mkdir(exist_ok=True)
+    return {**os.environ, "WORKER_MODE": mode, "WORKER_PID_DIR": str(pids), **extra}
+
+
+def recorded_pids(tmp_path: Path) -> list[int]:
+    return [int(p.read_text()) for p in (tmp_path / "pids").glob("*.pid") if p.read_text().strip()]
+
+
+def wait_for_pids(tmp_path: Path, count: int, timeout: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = recorded_pids(tmp_path)
+        if len(pids) >= count:
+            return pids
+        time.sleep(0.2)
+    raise AssertionError(f"only {recorded_pids(tmp_path)} of {count} workers started")
+
+
+def assert_all_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    assert not alive, f"processes still alive: {alive}"
+
+
+def test_two_process_gloo_job_all_reduces(tmp_path):
+    done = subprocess.run([*CLI, "--cpu", "--num_processes", "2", *QUIET, WORKER], env=worker_env(tmp_path, "allreduce"),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "[rank 0] rank 0 of 2 sum 3.0" in done.stdout
+    assert "[rank 1] rank 1 of 2 sum 3.0" in done.stdout
+
+
+def test_output_lines_reach_the_callback_with_rank_labels(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKER_MODE", "allreduce")
+    options = build_launch_options(WORKER, cpu=True, num_processes=2, mixed_precision="no", num_machines=1, dynamo_backend="no", run_dir=str(tmp_path / "run"))
+    seen: list[tuple[str, str]] = []
+    result = run_plan(plan_launch(options), on_line=lambda label, line: seen.append((label, line)))
+    assert result.succeeded and result.exit_code == 0
+    assert ("rank 0", "rank 0 of 2 sum 3.0") in seen and ("rank 1", "rank 1 of 2 sum 3.0") in seen
+    assert "rank 1 of 2 sum 3.0" in Path(result.log_path).read_text()
+    assert (tmp_path / "run" / "ranks").is_dir()  # per-rank logs kept with the run
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_two_nodes_on_loopback_reach_world_size_four(tmp_path, rendezvous):
+    port = free_port()
+    common = ["--cpu", "--num_processes", "4", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
+              "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--rdzv_conf", "join_timeout=90,timeout=90"]
+    common += ["--same_network"] if rendezvous == "static" else ["--rdzv_backend", "c10d"]
+    env = worker_env(tmp_path, "allreduce")
+    nodes = [subprocess.Popen([*CLI, *common, "--machine_rank", str(rank), WORKER], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    for node, (out, err) in zip(nodes, outputs, strict=True):
+        assert node.returncode == 0, err
+    text = outputs[0][0] + outputs[1][0]
+    for rank in range(4):
+        assert f"rank {rank} of 4 sum 10.0" in text
+
+
+def test_a_failing_rank_is_named_with_its_exit_code(tmp_path):
+    done = subprocess.run([*CLI, "--cpu", "--num_processes", "2", *QUIET, WORKER], env=worker_env(tmp_path, "fail_rank1"),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 3
+    assert "rank 1 exited with code 3" in done.stderr
+    assert "Traceback (most recent call last)" not in done.stderr.split("error:")[-1]
+    assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_a_raising_rank_reports_its_error_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKER_MODE", "raise_rank1")
+    options = build_launch_options(WORKER, cpu=True, num_processes=2, mixed_precision="no", num_machines=1, dynamo_backend="no")
+    result = run_plan(plan_launch(options))
+    assert not result.succeeded and result.failed_ranks[0].rank == 1
+    assert "rank 1 deliberate failure" in (result.error or "")
+    with pytest.raises(Exception, match="rank 1 exited with code 1"):
+        result.raise_for_failure()
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigint"])
+def test_stopping_the_cli_leaves_no_process_behind(tmp_path, how):
+    cli = subprocess.Popen([*CLI, "--cpu", "--num_processes", "2", *QUIET, WORKER], env=worker_env(tmp_path, "sleep"),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = wait_for_pids(tmp_path, 2)
+    launcher = [p.pid for p in psutil.Process(cli.pid).children()]
+    cli.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGINT)
+    _, err = cli.communicate(timeout=60)
+    assert cli.returncode == (143 if how == "sigterm" else 130), err
+    assert_all_gone(pids + launcher)
+
+
+def test_the_deadline_stops_the_launch_and_all_workers(tmp_path):
+    began = time.monotonic()
+    done = subprocess.run([*CLI, "--cpu", "--num_processes", "2", "--timeout", "12", "--grace_period", "5", *QUIET, WORKER],
+                          env=worker_env(tmp_path, "sleep"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 124, done.stderr
+    assert "deadline" in done.stderr
+    assert time.monotonic() - began < 60
+    assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_simple_launcher_runs_one_process_and_passes_its_exit_code(tmp_path):
+    script = tmp_path / "exit7.py"
+    script.write_text("import os, sys\nprint('simple', os.environ['ACCELERATE_MIXED_PRECISION'], flush=True)\nsys.exit(7)\n")
+    done = subprocess.run([*CLI, "--num_processes", "1", "--mixed_precision", "bf16", str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 7
+    assert "simple bf16" in done.stdout
+    assert "exited with code 7" in done.stderr
+
+
+def test_split_rank_reads_torchrun_prefixes():
+    assert split_rank("[default3]:hello", "torchrun") == ("rank 3", "hello")
+    assert split_rank("[trainer12]:x: y", "torchrun") == ("rank 12", "x: y")
+    assert split_rank("plain line", "torchrun") == ("torchrun", "plain line")
