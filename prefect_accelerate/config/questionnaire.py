@@ -125,7 +125,7 @@ def run_questionnaire(
     try:
         answers = ask(QUESTIONS, input_fn, stream, env=env, secret_fn=secret_fn or _secret_reader(input_fn))
     except QuestionnaireInterrupted as stop:
-        raise QuestionnaireInterrupted(stop.message.replace("nothing was written", f"nothing was written to {path}")) from None
+        raise QuestionnaireInterrupted.at(stop.reason, stop.question, path) from None
     config = build_config(answers)
     for line in notices(answers):
         print(line, file=stream)

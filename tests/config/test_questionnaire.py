@@ -382,6 +382,14 @@ def test_tpu_cluster_with_a_command_file_made_absolute(tmp_path, monkeypatch):
     assert data["tpu_use_sudo"] is False and data["tpu_vm"] == [] and data["tpu_env"] == ["A=1", "B=2"]
 
 
+def test_required_answers_and_empty_commands_are_asked_again():
+    out = io.StringIO()
+    answers = ask(QUESTIONS, Script(["0", "10", "no", "", "", "yes", "", "pod", "zone", "", "yes", "no", "", "ls", "",
+                                     "", ""]), out, env=env())
+    assert out.getvalue().count("An answer is needed here.") == 2
+    assert (answers["tpu_name"], answers["commands"], answers["tpu_env"]) == ("pod", ["ls"], [])
+
+
 def test_tpu_process_question_names_tpu_cores():
     script = Script(["0", "10", "no", "8", "", "no"])
     ask(QUESTIONS, script, io.StringIO(), env=env())

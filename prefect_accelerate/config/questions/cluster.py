@@ -24,7 +24,6 @@ from prefect_accelerate.config.enums import (
     OFFLOAD_DEVICES,
     RDZV_BACKENDS,
     ComputeEnvironment,
-    DistributedType,
     FP8BackendType,
     PrecisionType,
 )
@@ -33,12 +32,40 @@ from prefect_accelerate.config.questions.common import (
     PRECISION_OPTIONS,
     TF32_NOTICE,
     answered,
+    integer,
+    menu,
     missing_package,
     yes_no,
 )
 from prefect_accelerate.config.questions.engine import REQUIRED, Answers, Question, options
-
-D = DistributedType
+from prefect_accelerate.config.questions.facts import (
+    DEEPSPEED_TYPES,
+    DEVICE_TYPES,
+    FSDP_TYPES,
+    MULTI_TYPES,
+    D,
+    all_of,
+    deepspeed_inline,
+    devices_label,
+    distributed_type,
+    ends_as,
+    fsdp_version,
+    is_ao,
+    is_fsdp1,
+    is_fsdp2,
+    is_te,
+    machine,
+    machine_is,
+    multi_node,
+    processes_label,
+    refuse_bad_gpu_ids,
+    refuse_bad_shard_size,
+    refuse_missing_fp8_package,
+    refuse_non_positive,
+    refuse_single_gpu,
+    uses_cpu,
+    uses_mps,
+)
 
 #: menu order of Accelerate's "Which type of machine are you using?" (labels as it shows them)
 MACHINE_TYPES = options(
@@ -47,191 +74,55 @@ MACHINE_TYPES = options(
     values=[D.NO, D.MULTI_CPU, D.MULTI_XPU, D.MULTI_HPU, D.MULTI_GPU, D.MULTI_NPU, D.MULTI_MLU, D.MULTI_SDAA,
             D.MULTI_MUSA, D.MULTI_NEURON, D.XLA],
 )
-_DEVICE_TYPES = (D.MULTI_GPU, D.MULTI_XPU, D.MULTI_HPU, D.MULTI_NPU, D.MULTI_MLU, D.MULTI_SDAA, D.MULTI_MUSA, D.MULTI_NEURON)
-_MULTI_TYPES = (D.MULTI_CPU, *_DEVICE_TYPES)
-# Neuron supports neither; Accelerate asks and then raises on "yes", so the questions are skipped there.
-_DEEPSPEED_TYPES = (D.NO, *(t for t in _DEVICE_TYPES if t != D.MULTI_NEURON))
-_FSDP_TYPES = tuple(t for t in _DEVICE_TYPES if t != D.MULTI_NEURON)
-_DEVICE_NAMES = {D.MULTI_GPU: "GPU", D.MULTI_XPU: "XPU", D.MULTI_HPU: "HPU", D.MULTI_NPU: "NPU", D.MULTI_MLU: "MLU",
-                 D.MULTI_SDAA: "SDAA", D.MULTI_MUSA: "MUSA"}
-
-# -- facts about the answers so far (the conditions read these) ------------------------------------
-
-
-def machine(a: Answers) -> DistributedType:
-    """The machine type picked in the first menu."""
-    return a.get("machine_type", D.NO)
-
-
-def distributed_type(a: Answers) -> DistributedType:
-    """The type the config ends with: DeepSpeed, FSDP or Megatron-LM replace the machine type."""
-    for key, kind in (("use_deepspeed", D.DEEPSPEED), ("use_fsdp", D.FSDP), ("use_megatron_lm", D.MEGATRON_LM)):
-        if a.get(key):
-            return kind
-    return machine(a)
-
-
-def multi_node(a: Answers) -> bool:
-    return a.get("num_machines", 1) > 1
-
-
-def uses_cpu(a: Answers) -> bool:
-    return machine(a) == D.MULTI_CPU or (machine(a) == D.NO and bool(a.get("use_cpu")))
-
-
-def uses_mps(a: Answers) -> bool:
-    return not uses_cpu(a) and a.env.has_mps
-
-
-def deepspeed_inline(a: Answers) -> bool:
-    """DeepSpeed configured by these questions rather than by a JSON file."""
-    return bool(a.get("use_deepspeed")) and not a.get("deepspeed_use_json")
-
-
-def fsdp_version(a: Answers) -> int | None:
-    return a.get("fsdp_version")
-
-
-def fp8_backend(a: Answers) -> str | None:
-    return a.get("fp8_backend")
-
-
-def devices_label(a: Answers) -> str:
-    """What the devices are called, from the accelerator backend (Accelerate 1.16, reference §12)."""
-    kind = a.env.accelerator
-    if kind == "cuda":
-        return "GPU(s)"
-    if kind and kind != "mps":
-        return f"{kind.upper()}(s)"
-    # no accelerator here (a login node, say): name the devices of the machine type picked
-    return f"{_DEVICE_NAMES.get(machine(a), 'GPU')}(s)"
-
-
-def processes_label(a: Answers) -> str:
-    kind = machine(a)
-    if kind == D.MULTI_CPU:
-        return "processes"
-    if kind == D.MULTI_NEURON:
-        return "NEURON cores"
-    if kind == D.XLA:
-        return "TPU cores"  # Accelerate prints the enum name: "XLA(s)"
-    if kind in _DEVICE_NAMES:
-        return f"{_DEVICE_NAMES[kind]}(s)"
-    return devices_label(a)
-
-
-# -- checks -----------------------------------------------------------------------------------------
-
-
-def _single_gpu(value: int, a: Answers) -> str | None:
-    if distributed_type(a) == D.MULTI_GPU and not multi_node(a) and value == 1:
-        # Accelerate raises ValueError here and loses every answer
-        return (
-            "multi-GPU with one machine needs at least 2 GPUs: enter 2 or more, or press Ctrl-C and run "
-            "`prefect-accelerate config` again choosing \"No distributed training\" for one GPU."
-        )
-    return None
-
-
-def _gpu_ids(value: str, a: Answers) -> str | None:
-    text = value.replace(" ", "").rstrip(",")
-    if text.lower() == "all" or (text and all(part.isdigit() for part in text.split(","))):
-        return None
-    return f"{value!r} is not `all` or a comma-separated list of device ids such as 0,1."
-
-
-def _dp_shard(value: int, a: Answers) -> str | None:
-    return None if value == -1 or value >= 1 else "Enter 1 or more (or -1 for all the remaining devices)."
-
-
-def _positive(value: float, a: Answers) -> str | None:
-    return None if value > 0 else "Enter a number greater than 0."
-
-
-def _fp8_package(value: str, a: Answers) -> str | None:
-    module, extra = {"TE": ("transformer_engine", "transformer_engine"), "AO": ("torchao", "torchao")}[value]
-    if not a.env.has_module(module):
-        return (
-            f"The {value} FP8 backend needs the Python package `{module}`, which is not installed in this "
-            f"environment. Pick the other backend, or press Ctrl-C, install it (`pip install {extra}`) and run "
-            f"`prefect-accelerate config` again."
-        )
-    return None
-
-
-def _when(*conditions):
-    return lambda a: all(c(a) for c in conditions)
-
-
-def _is(*kinds: DistributedType):
-    return lambda a: machine(a) in kinds
-
-
-def _final(*kinds: DistributedType):
-    return lambda a: distributed_type(a) in kinds
-
-
-def _int(key: str, prompt: Any, default: Any = 1, *, minimum: float | None = 1, **fields: Any) -> Question:
-    return Question(key=key, prompt=prompt, kind="int", default=default, minimum=minimum, **fields)
-
-
-def _menu(key: str, prompt: str, labels, default: Any = 0, **fields: Any) -> Question:
-    return Question(key=key, prompt=prompt, kind="choice", options=options(*labels), default=default, **fields)
-
-
-_fsdp1 = lambda a: fsdp_version(a) == 1  # noqa: E731
-_fsdp2 = lambda a: fsdp_version(a) == 2  # noqa: E731
-_te = lambda a: fp8_backend(a) == FP8BackendType.TE.value  # noqa: E731
-_ao = lambda a: fp8_backend(a) == FP8BackendType.AO.value  # noqa: E731
 
 # -- the table --------------------------------------------------------------------------------------
 
 MACHINE = (
     Question(key="machine_type", prompt="Which type of machine are you using?", kind="choice", options=MACHINE_TYPES, default=0),
-    _int("num_machines", "How many different machines will you use (use more than 1 for multi-node training)?",
-         when=_is(*_MULTI_TYPES), target="num_machines"),
+    integer("num_machines", "How many different machines will you use (use more than 1 for multi-node training)?",
+            when=machine_is(*MULTI_TYPES), target="num_machines"),
     Question(key="machine_rank", prompt="What is the rank of this machine?", kind="choice",
              options=lambda a: options(*range(a["num_machines"])), default=0, when=multi_node, target="machine_rank"),
     Question(key="main_process_ip", prompt="What is the IP address of the machine that will host the main process?",
              when=multi_node, target="main_process_ip"),
-    _int("main_process_port", "What is the port you will use to communicate with the main process?",
-         default=REQUIRED, minimum=1, maximum=65535, when=multi_node, target="main_process_port"),
+    integer("main_process_port", "What is the port you will use to communicate with the main process?",
+            default=REQUIRED, minimum=1, maximum=65535, when=multi_node, target="main_process_port"),
     yes_no("same_network", "Are all the machines on the same local network? Answer `no` if nodes are on the cloud "
            "and/or on different network hosts", default=True, when=multi_node, target="same_network"),
-    _menu("rdzv_backend", "What rendezvous backend will you use?", RDZV_BACKENDS,
-          when=_when(multi_node, answered("same_network", False)), target="rdzv_backend"),
+    menu("rdzv_backend", "What rendezvous backend will you use?", RDZV_BACKENDS,
+         when=all_of(multi_node, answered("same_network", False)), target="rdzv_backend"),
     yes_no("debug", "Should distributed operations be checked while running for errors? This can avoid timeout "
-           "issues but will be slower.", when=_is(*_MULTI_TYPES), target="debug"),
+           "issues but will be slower.", when=machine_is(*MULTI_TYPES), target="debug"),
     yes_no("use_cpu", "Do you want to run your training on CPU only (even if a GPU / Apple Silicon / Ascend NPU "
-           "device is available)?", when=_is(D.NO)),
-    yes_no("use_mpirun", "Do you want accelerate to launch mpirun?", when=_is(D.MULTI_CPU)),
+           "device is available)?", when=machine_is(D.NO)),
+    yes_no("use_mpirun", "Do you want accelerate to launch mpirun?", when=machine_is(D.MULTI_CPU)),
     Question(key="mpirun_hostfile", prompt="Please enter the path to the hostfile to use with mpirun",
              default="~/hostfile", convert=os.path.expanduser, when=answered("use_mpirun"),
              target="mpirun_config.mpirun_hostfile"),
 )
 
 DEEPSPEED = (
-    yes_no("use_deepspeed", "Do you want to use DeepSpeed?", when=_when(_is(*_DEEPSPEED_TYPES), lambda a: not uses_mps(a)),
+    yes_no("use_deepspeed", "Do you want to use DeepSpeed?", when=all_of(machine_is(*DEEPSPEED_TYPES), lambda a: not uses_mps(a)),
            check=missing_package("deepspeed", "deepspeed", "DeepSpeed")),
     yes_no("deepspeed_use_json", "Do you want to specify a json file to a DeepSpeed config?", when=answered("use_deepspeed")),
     # Accelerate's default here is the text "none", stored as a file name; an answer is required instead
     Question(key="deepspeed_config_file", prompt="Please enter the path to the json DeepSpeed config file",
              when=answered("deepspeed_use_json"), target="deepspeed_config.deepspeed_config_file"),
-    _menu("zero_stage", "What should be your DeepSpeed's ZeRO optimization stage?", (0, 1, 2, 3), default=2,
-          when=deepspeed_inline, target="deepspeed_config.zero_stage"),
-    _menu("offload_optimizer_device", "Where to offload optimizer states?", OFFLOAD_DEVICES,
-          when=lambda a: deepspeed_inline(a) and a["zero_stage"] >= 2, target="deepspeed_config.offload_optimizer_device"),
-    _menu("offload_param_device", "Where to offload parameters?", OFFLOAD_DEVICES,
-          when=lambda a: deepspeed_inline(a) and a["zero_stage"] >= 2, target="deepspeed_config.offload_param_device"),
+    menu("zero_stage", "What should be your DeepSpeed's ZeRO optimization stage?", (0, 1, 2, 3), default=2,
+         when=deepspeed_inline, target="deepspeed_config.zero_stage"),
+    menu("offload_optimizer_device", "Where to offload optimizer states?", OFFLOAD_DEVICES,
+         when=lambda a: deepspeed_inline(a) and a["zero_stage"] >= 2, target="deepspeed_config.offload_optimizer_device"),
+    menu("offload_param_device", "Where to offload parameters?", OFFLOAD_DEVICES,
+         when=lambda a: deepspeed_inline(a) and a["zero_stage"] >= 2, target="deepspeed_config.offload_param_device"),
     Question(key="offload_param_nvme_path", prompt="Nvme Path to offload parameters?", default="/nvme",
              when=answered("offload_param_device", "nvme"), target="deepspeed_config.offload_param_nvme_path"),
     Question(key="offload_optimizer_nvme_path", prompt="Nvme Path to offload optimizer states?", default="/nvme",
              when=answered("offload_optimizer_device", "nvme"), target="deepspeed_config.offload_optimizer_nvme_path"),
-    _int("gradient_accumulation_steps", "How many gradient accumulation steps you're passing in your script?",
-         when=deepspeed_inline, target="deepspeed_config.gradient_accumulation_steps"),
+    integer("gradient_accumulation_steps", "How many gradient accumulation steps you're passing in your script?",
+            when=deepspeed_inline, target="deepspeed_config.gradient_accumulation_steps"),
     yes_no("use_gradient_clipping", "Do you want to use gradient clipping?", when=deepspeed_inline),
     Question(key="gradient_clipping", prompt="What is the gradient clipping value?", kind="float", default=1.0,
-             check=_positive, when=answered("use_gradient_clipping"), target="deepspeed_config.gradient_clipping"),
+             check=refuse_non_positive, when=answered("use_gradient_clipping"), target="deepspeed_config.gradient_clipping"),
     yes_no("zero3_save_16bit_model", "Do you want to save 16-bit model weights when using ZeRO Stage-3?",
            when=lambda a: deepspeed_inline(a) and a["zero_stage"] == 3, target="deepspeed_config.zero3_save_16bit_model"),
     yes_no("zero3_init_flag", "Do you want to enable `deepspeed.zero.Init` when using ZeRO Stage-3 for constructing "
@@ -242,8 +133,8 @@ DEEPSPEED = (
              prompt="Specify the comma-separated list of transformers MoE layer class names (case-sensitive), e.g. "
                     "`MixtralSparseMoeBlock`, `Qwen2MoeSparseMoeBlock`, `JetMoEAttention,JetMoEBlock`",
              when=answered("use_moe"), target="deepspeed_config.deepspeed_moe_layer_cls_names"),
-    _menu("deepspeed_multinode_launcher", "Which Type of launcher do you want to use?", DEEPSPEED_MULTINODE_LAUNCHERS,
-          when=lambda a: bool(a.get("use_deepspeed")) and multi_node(a), target="deepspeed_config.deepspeed_multinode_launcher"),
+    menu("deepspeed_multinode_launcher", "Which Type of launcher do you want to use?", DEEPSPEED_MULTINODE_LAUNCHERS,
+         when=lambda a: bool(a.get("use_deepspeed")) and multi_node(a), target="deepspeed_config.deepspeed_multinode_launcher"),
     Question(key="deepspeed_hostfile",
              prompt="DeepSpeed configures multi-node compute resources with a hostfile: each row is `hostname "
                     "slots=[num_gpus]`, e.g. `localhost slots=2` (https://www.deepspeed.ai/getting-started/"
@@ -261,73 +152,73 @@ DEEPSPEED = (
 _FSDP = answered("use_fsdp")
 FSDP = (
     yes_no("use_fsdp", "Do you want to use FullyShardedDataParallel?",
-           when=lambda a: machine(a) in _FSDP_TYPES and not a.get("use_deepspeed")),
-    _menu("fsdp_version", "What should be your FSDP version?", (1, 2), default=1, when=_FSDP, target="fsdp_config.fsdp_version"),
+           when=lambda a: machine(a) in FSDP_TYPES and not a.get("use_deepspeed")),
+    menu("fsdp_version", "What should be your FSDP version?", (1, 2), default=1, when=_FSDP, target="fsdp_config.fsdp_version"),
     # Accelerate stores the strategy in fsdp_reshard_after_forward, which the FSDP1 plugin ignores in
     # favour of FSDP_SHARDING_STRATEGY (reference §13.3); it goes under the key the runtime reads.
-    _menu("fsdp_sharding_strategy", "What should be your sharding strategy?", FSDP_SHARDING_STRATEGY,
-          when=_fsdp1, target="fsdp_config.fsdp_sharding_strategy"),
+    menu("fsdp_sharding_strategy", "What should be your sharding strategy?", FSDP_SHARDING_STRATEGY,
+         when=is_fsdp1, target="fsdp_config.fsdp_sharding_strategy"),
     yes_no("fsdp_reshard_after_forward", "Do you want to enable resharding after forward?", default=True,
-           when=_fsdp2, target="fsdp_config.fsdp_reshard_after_forward"),
+           when=is_fsdp2, target="fsdp_config.fsdp_reshard_after_forward"),
     yes_no("fsdp_offload_params", "Do you want to offload parameters and gradients to CPU?", when=_FSDP,
            target="fsdp_config.fsdp_offload_params"),
-    _menu("fsdp_auto_wrap_policy", "What should be your auto wrap policy?", FSDP_AUTO_WRAP_POLICY, when=_FSDP,
-          target="fsdp_config.fsdp_auto_wrap_policy"),
+    menu("fsdp_auto_wrap_policy", "What should be your auto wrap policy?", FSDP_AUTO_WRAP_POLICY, when=_FSDP,
+         target="fsdp_config.fsdp_auto_wrap_policy"),
     yes_no("fsdp_use_no_split_modules", "Do you want to use the model's `_no_split_modules` to wrap. Only applicable "
            "for 🤗 Transformers", when=answered("fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP")),
     Question(key="fsdp_transformer_layer_cls_to_wrap",
              prompt="Specify the comma-separated list of transformer layer class names (case-sensitive) to wrap, "
                     "e.g. `BertLayer`, `GPTJBlock`, `T5Block`, `BertLayer,BertEmbeddings,BertSelfOutput`",
              when=answered("fsdp_use_no_split_modules", False), target="fsdp_config.fsdp_transformer_layer_cls_to_wrap"),
-    _int("fsdp_min_num_params", "What should be your FSDP's minimum number of parameters for Default Auto Wrapping "
-         "Policy?", default=100000000, minimum=0, when=answered("fsdp_auto_wrap_policy", "SIZE_BASED_WRAP"),
-         target="fsdp_config.fsdp_min_num_params"),
-    _menu("fsdp_backward_prefetch", "What should be your FSDP's backward prefetch policy?", FSDP_BACKWARD_PREFETCH,
-          when=_fsdp1, target="fsdp_config.fsdp_backward_prefetch"),
+    integer("fsdp_min_num_params", "What should be your FSDP's minimum number of parameters for Default Auto Wrapping "
+            "Policy?", default=100000000, minimum=0, when=answered("fsdp_auto_wrap_policy", "SIZE_BASED_WRAP"),
+            target="fsdp_config.fsdp_min_num_params"),
+    menu("fsdp_backward_prefetch", "What should be your FSDP's backward prefetch policy?", FSDP_BACKWARD_PREFETCH,
+         when=is_fsdp1, target="fsdp_config.fsdp_backward_prefetch"),
     Question(key="fsdp_state_dict_type", prompt="What should be your FSDP's state dict type?", kind="choice",
              options=lambda a: options(*(FSDP_STATE_DICT_TYPE if fsdp_version(a) == 1 else FSDP2_STATE_DICT_TYPE)),
              default=0, when=_FSDP, target="fsdp_config.fsdp_state_dict_type"),
-    yes_no("fsdp_forward_prefetch", "Do you want to enable FSDP's forward prefetch policy?", when=_fsdp1,
+    yes_no("fsdp_forward_prefetch", "Do you want to enable FSDP's forward prefetch policy?", when=is_fsdp1,
            target="fsdp_config.fsdp_forward_prefetch"),
     yes_no("fsdp_use_orig_params", "Do you want to enable FSDP's `use_orig_params` feature?", default=True,
-           when=_fsdp1, target="fsdp_config.fsdp_use_orig_params"),
+           when=is_fsdp1, target="fsdp_config.fsdp_use_orig_params"),
     yes_no("fsdp_cpu_ram_efficient_loading", "Do you want to enable CPU RAM efficient model loading? Only applicable "
            "for 🤗 Transformers models.", default=True, when=_FSDP, target="fsdp_config.fsdp_cpu_ram_efficient_loading"),
     yes_no("fsdp_sync_module_states", "Do you want each individually wrapped FSDP unit to broadcast module parameters "
            "from rank 0 at the start?", default=True,
-           when=lambda a: _fsdp1(a) and not a["fsdp_cpu_ram_efficient_loading"], target="fsdp_config.fsdp_sync_module_states"),
+           when=lambda a: is_fsdp1(a) and not a["fsdp_cpu_ram_efficient_loading"], target="fsdp_config.fsdp_sync_module_states"),
     yes_no("fsdp_activation_checkpointing", "Do you want to enable FSDP activation checkpointing?", when=_FSDP,
            target="fsdp_config.fsdp_activation_checkpointing"),
 )
 
 _PARALLELISM = answered("use_parallelism_config")
 PARALLELISM = (
-    yes_no("use_parallelism_config", "Do you want to use the parallelism config?", when=_fsdp2),
-    _int("parallelism_config_dp_replicate_size", "What is the data parallelism replicate size?", when=_PARALLELISM,
-         target="parallelism_config.parallelism_config_dp_replicate_size"),
-    _int("parallelism_config_dp_shard_size", "What is the FSDP shard size?", minimum=None, check=_dp_shard,
-         when=_PARALLELISM, target="parallelism_config.parallelism_config_dp_shard_size"),
-    _int("parallelism_config_tp_size", "What is the tensor parallelism size?", when=_PARALLELISM,
-         target="parallelism_config.parallelism_config_tp_size"),
-    _int("parallelism_config_cp_size", "What is the context parallelism size?", when=_PARALLELISM,
-         target="parallelism_config.parallelism_config_cp_size"),
-    _menu("parallelism_config_cp_comm_strategy", "What is the context parallelism communication strategy?",
-          CP_COMM_STRATEGIES, when=lambda a: a.get("parallelism_config_cp_size", 1) > 1,
-          target="parallelism_config.parallelism_config_cp_comm_strategy"),
+    yes_no("use_parallelism_config", "Do you want to use the parallelism config?", when=is_fsdp2),
+    integer("parallelism_config_dp_replicate_size", "What is the data parallelism replicate size?", when=_PARALLELISM,
+            target="parallelism_config.parallelism_config_dp_replicate_size"),
+    integer("parallelism_config_dp_shard_size", "What is the FSDP shard size?", minimum=None, check=refuse_bad_shard_size,
+            when=_PARALLELISM, target="parallelism_config.parallelism_config_dp_shard_size"),
+    integer("parallelism_config_tp_size", "What is the tensor parallelism size?", when=_PARALLELISM,
+            target="parallelism_config.parallelism_config_tp_size"),
+    integer("parallelism_config_cp_size", "What is the context parallelism size?", when=_PARALLELISM,
+            target="parallelism_config.parallelism_config_cp_size"),
+    menu("parallelism_config_cp_comm_strategy", "What is the context parallelism communication strategy?",
+         CP_COMM_STRATEGIES, when=lambda a: a.get("parallelism_config_cp_size", 1) > 1,
+         target="parallelism_config.parallelism_config_cp_comm_strategy"),
 )
 
 _MEGATRON = answered("use_megatron_lm")
 MEGATRON = (
     yes_no("use_megatron_lm", "Do you want to use Megatron-LM?",
            when=lambda a: machine(a) == D.MULTI_GPU and not a.get("use_deepspeed") and not a.get("use_fsdp")),
-    _int("megatron_lm_tp_degree", "What is the Tensor Parallelism degree/size?", when=_MEGATRON,
-         target="megatron_lm_config.megatron_lm_tp_degree"),
+    integer("megatron_lm_tp_degree", "What is the Tensor Parallelism degree/size?", when=_MEGATRON,
+            target="megatron_lm_config.megatron_lm_tp_degree"),
     yes_no("megatron_lm_sequence_parallelism", "Do you want to enable Sequence Parallelism?", default=True,
            when=lambda a: a.get("megatron_lm_tp_degree", 1) > 1, target="megatron_lm_config.megatron_lm_sequence_parallelism"),
-    _int("megatron_lm_pp_degree", "What is the Pipeline Parallelism degree/size?", when=_MEGATRON,
-         target="megatron_lm_config.megatron_lm_pp_degree"),
-    _int("megatron_lm_num_micro_batches", "What is the number of micro-batches?",
-         when=lambda a: a.get("megatron_lm_pp_degree", 1) > 1, target="megatron_lm_config.megatron_lm_num_micro_batches"),
+    integer("megatron_lm_pp_degree", "What is the Pipeline Parallelism degree/size?", when=_MEGATRON,
+            target="megatron_lm_config.megatron_lm_pp_degree"),
+    integer("megatron_lm_num_micro_batches", "What is the number of micro-batches?",
+            when=lambda a: a.get("megatron_lm_pp_degree", 1) > 1, target="megatron_lm_config.megatron_lm_num_micro_batches"),
     yes_no("megatron_lm_recompute_activations", "Do you want to enable selective activation recomputation?",
            default=True, when=_MEGATRON, target="megatron_lm_config.megatron_lm_recompute_activations"),
     yes_no("megatron_lm_use_distributed_optimizer", "Do you want to use distributed optimizer which shards optimizer "
@@ -339,12 +230,12 @@ MEGATRON = (
 )
 
 RESOURCES = (
-    _int("num_processes", lambda a: f"How many {processes_label(a)} should be used for distributed training?",
-         when=_final(*_MULTI_TYPES, D.XLA, D.FSDP, D.DEEPSPEED, D.MEGATRON_LM), check=_single_gpu,
-         target="num_processes"),
+    integer("num_processes", lambda a: f"How many {processes_label(a)} should be used for distributed training?",
+            when=ends_as(*MULTI_TYPES, D.XLA, D.FSDP, D.DEEPSPEED, D.MEGATRON_LM), check=refuse_single_gpu,
+            target="num_processes"),
     Question(key="gpu_ids", prompt=lambda a: f"What {devices_label(a)} (by id) should be used for training on this "
-             "machine as a comma-separated list?", default="all", check=_gpu_ids,
-             when=lambda a: distributed_type(a) in (*_DEVICE_TYPES, D.NO) and not uses_cpu(a) and not uses_mps(a),
+             "machine as a comma-separated list?", default="all", check=refuse_bad_gpu_ids,
+             when=lambda a: distributed_type(a) in (*DEVICE_TYPES, D.NO) and not uses_cpu(a) and not uses_mps(a),
              target="gpu_ids"),
     # Accelerate asks only for NO/MULTI_GPU, so DeepSpeed, FSDP and Megatron-LM runs on NVIDIA GPUs
     # could not turn it on, though the launcher honours it for them (reference §10 #15).
@@ -356,8 +247,8 @@ RESOURCES = (
 _CLUSTER = answered("tpu_use_cluster")
 TPU = (
     Question(key="main_training_function", prompt="What is the name of the function in your script that should be "
-             "launched in all parallel scripts?", default="main", when=_is(D.XLA), target="main_training_function"),
-    yes_no("tpu_use_cluster", "Are you using a TPU cluster?", when=_is(D.XLA), target="tpu_use_cluster"),
+             "launched in all parallel scripts?", default="main", when=machine_is(D.XLA), target="main_training_function"),
+    yes_no("tpu_use_cluster", "Are you using a TPU cluster?", when=machine_is(D.XLA), target="tpu_use_cluster"),
     Question(key="tpu_name", prompt="What is the name of your TPU cluster?", when=_CLUSTER, target="tpu_name"),
     Question(key="tpu_zone", prompt="What is the zone of your TPU cluster?", when=_CLUSTER, target="tpu_zone"),
     # Accelerate reads this one without a converter and stores the typed text ("no" is then truthy)
@@ -376,7 +267,6 @@ TPU = (
              kind="list", default="", when=_CLUSTER, target="tpu_env"),
 )
 
-_TE = _te
 PRECISION = (
     # A DeepSpeed JSON file carries its own precision; storing one beside it makes the runtime refuse
     # the combination (reference §13.5), so the question is skipped as in Accelerate.
@@ -385,32 +275,32 @@ PRECISION = (
     # Accelerate 1.16 has no MS-AMP backend any more (reference §12)
     Question(key="fp8_backend", prompt="Which FP8 backend do you want to use?", kind="choice",
              options=options("ao", "te", values=[FP8BackendType.AO.value, FP8BackendType.TE.value]), default=0,
-             check=_fp8_package, when=answered("mixed_precision", PrecisionType.FP8.value), target="fp8_config.backend"),
+             check=refuse_missing_fp8_package, when=answered("mixed_precision", PrecisionType.FP8.value), target="fp8_config.backend"),
     yes_no("fp8_use_autocast_during_eval", "Do you want to use FP8 autocast during eval mode? Generally better metrics "
-           "are found when this is disabled", when=_TE, target="fp8_config.use_autocast_during_eval"),
-    _int("fp8_margin", "What margin should be used for gradient scaling?", default=0, minimum=0, when=_TE,
-         target="fp8_config.margin"),
-    _int("fp8_interval", "What interval should be used for how often the scaling factor is recomputed?", when=_TE,
-         target="fp8_config.interval"),
-    _menu("fp8_format", "Which weight format should be used?", FP8_FORMATS, when=_TE, target="fp8_config.fp8_format"),
+           "are found when this is disabled", when=is_te, target="fp8_config.use_autocast_during_eval"),
+    integer("fp8_margin", "What margin should be used for gradient scaling?", default=0, minimum=0, when=is_te,
+            target="fp8_config.margin"),
+    integer("fp8_interval", "What interval should be used for how often the scaling factor is recomputed?", when=is_te,
+            target="fp8_config.interval"),
+    menu("fp8_format", "Which weight format should be used?", FP8_FORMATS, when=is_te, target="fp8_config.fp8_format"),
     # Accelerate stores amax_history_length / amax_compute_algorithm, which launch exports under names
     # the runtime never reads (reference §13.2); these are the names it reads.
-    _int("fp8_amax_history_len", "What length of history should be used for the amax scaling factor computation?",
-         default=1024, when=_TE, target="fp8_config.amax_history_len"),
-    _menu("fp8_amax_compute_algo", "Which algorithm should be used for the amax scaling factor computation?",
-          FP8_AMAX_COMPUTE_ALGOS, when=_TE, target="fp8_config.amax_compute_algo"),
+    integer("fp8_amax_history_len", "What length of history should be used for the amax scaling factor computation?",
+            default=1024, when=is_te, target="fp8_config.amax_history_len"),
+    menu("fp8_amax_compute_algo", "Which algorithm should be used for the amax scaling factor computation?",
+         FP8_AMAX_COMPUTE_ALGOS, when=is_te, target="fp8_config.amax_compute_algo"),
     yes_no("fp8_override_linear_precision", "Do you want to execute `fprop`, `dgrad`, and `wgrad` GEMMS in higher "
-           "precision?", when=_TE),
+           "precision?", when=is_te),
     *(
         yes_no(f"fp8_override_{gemm}", f"Should `{gemm}` be executed in higher precision?",
                when=answered("fp8_override_linear_precision"))
         for gemm in ("fprop", "dgrad", "wgrad")
     ),
     yes_no("fp8_enable_fsdp_float8_all_gather", "Do you want to enable FSDP2 float8 all gather? This is recommended "
-           "for better performance if using FSDP2.", default=True, when=_ao, target="fp8_config.enable_fsdp_float8_all_gather"),
+           "for better performance if using FSDP2.", default=True, when=is_ao, target="fp8_config.enable_fsdp_float8_all_gather"),
     yes_no("fp8_pad_inner_dim", "Do you want to pad the inner dimension of weight matrices before float8 matmuls? This "
            "is required for _scaled_mm which has strict alignment requirements. Note: padding may cause memory spikes.",
-           default=True, when=_ao, target="fp8_config.pad_inner_dim"),
+           default=True, when=is_ao, target="fp8_config.pad_inner_dim"),
 )
 
 CLUSTER_QUESTIONS: tuple[Question, ...] = (
@@ -443,7 +333,7 @@ def build_cluster(a: Answers) -> dict[str, Any]:
     fsdp = data.get("fsdp_config")
     if fsdp and fsdp.get("fsdp_version") == 1 and fsdp.get("fsdp_cpu_ram_efficient_loading"):
         fsdp["fsdp_sync_module_states"] = True  # RAM-efficient loading needs rank 0's weights broadcast
-    if _te(a):
+    if is_te(a):
         override = a["fp8_override_linear_precision"]
         data["fp8_config"]["override_linear_precision"] = [
             bool(override and a[f"fp8_override_{gemm}"]) for gemm in ("fprop", "dgrad", "wgrad")

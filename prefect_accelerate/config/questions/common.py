@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from prefect_accelerate.config.enums import (
@@ -15,6 +16,16 @@ from prefect_accelerate.config.questions.engine import Answers, Condition, Quest
 
 def yes_no(key: str, prompt: str, default: bool = False, **fields: Any) -> Question:
     return Question(key=key, prompt=prompt, kind="yes_no", default=default, **fields)
+
+
+def integer(key: str, prompt: Any, default: Any = 1, *, minimum: float | None = 1, **fields: Any) -> Question:
+    """A whole-number question; by default at least 1, as counts and sizes are."""
+    return Question(key=key, prompt=prompt, kind="int", default=default, minimum=minimum, **fields)
+
+
+def menu(key: str, prompt: str, labels: Iterable[Any], default: Any = 0, **fields: Any) -> Question:
+    """A menu whose entries store their own label."""
+    return Question(key=key, prompt=prompt, kind="choice", options=options(*labels), default=default, **fields)
 
 
 def answered(key: str, value: Any = True) -> Condition:

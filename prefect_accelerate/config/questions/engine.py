@@ -37,6 +37,20 @@ REQUIRED: Any = _Required()
 class QuestionnaireInterrupted(UsageError):
     """The questionnaire stopped (end of input or Ctrl-C) before every question was answered."""
 
+    reason: str = ""
+    question: str = ""
+
+    @classmethod
+    def at(cls, reason: str, question: str, path: object | None = None) -> QuestionnaireInterrupted:
+        where = f" to {path}" if path is not None else ""
+        error = cls(
+            f"The questionnaire was interrupted ({reason}) at the question '{question}'; nothing was written{where}. "
+            f"Run `prefect-accelerate config` again and answer every question (an empty answer takes the default "
+            f"shown in brackets)."
+        )
+        error.reason, error.question = reason, question
+        return error
+
 
 class InvalidAnswer(ValueError):
     """Why a typed answer was refused; the question is asked again."""
@@ -411,11 +425,8 @@ def ask(
             if question.applies(answers):
                 answers.record(question, _ask_one(question, answers, reader))
     except (EOFError, StopIteration, KeyboardInterrupt) as stop:
+        # StopIteration too: `iter(answers).__next__` is a handy input function
         why = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else "the input ended"
         print(file=stream)
-        raise QuestionnaireInterrupted(
-            f"The questionnaire was interrupted ({why}) at the question '{reader.current}'; nothing was "
-            f"written. Run `prefect-accelerate config` again and answer every question (an empty answer "
-            f"takes the default shown in brackets)."
-        ) from None
+        raise QuestionnaireInterrupted.at(why, reader.current) from None
     return answers
