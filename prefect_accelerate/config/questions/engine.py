@@ -237,14 +237,14 @@ class Question:
             if self.kind == "list" and isinstance(value, str):
                 value = _split_list(value)
         else:
-            value = self._parse_text(text, typed)
+            value = self._parse_text(text)
         if self.check is not None:
             reason = self.check(value, answers)
             if reason:
                 raise InvalidAnswer(reason)
         return self.convert(value) if self.convert is not None else value
 
-    def _parse_text(self, text: str, typed: str) -> Any:
+    def _parse_text(self, text: str) -> Any:
         shown = "" if self.secret else f" {text!r}"  # a secret is never repeated back
         if self.kind == "yes_no":
             word = text.lower()
