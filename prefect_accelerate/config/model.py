@@ -86,6 +86,13 @@ def _reject_bool(value: Any) -> Any:
     return value
 
 
+def _whole_number(value: Any) -> Any:
+    _reject_bool(value)
+    if isinstance(value, float):
+        raise ValueError("expected a whole number, got a decimal number")
+    return value
+
+
 def _choice(choices: tuple[str, ...], *, case_insensitive: bool = False, keep_case: bool = False):
     def check(value: Any) -> Any:
         if not isinstance(value, str):
@@ -103,9 +110,9 @@ def _choice(choices: tuple[str, ...], *, case_insensitive: bool = False, keep_ca
 
 #: A boolean that also accepts the words a person types (`'no'`, `'yes'`, `"true"`); kept as written.
 Flag = Annotated[bool | str, AfterValidator(_check_flag)]
-Int = Annotated[int, BeforeValidator(_reject_bool)]
-PositiveInt = Annotated[int, BeforeValidator(_reject_bool), Field(ge=1)]
-NonNegativeInt = Annotated[int, BeforeValidator(_reject_bool), Field(ge=0)]
+Int = Annotated[int, BeforeValidator(_whole_number)]
+PositiveInt = Annotated[int, BeforeValidator(_whole_number), Field(ge=1)]
+NonNegativeInt = Annotated[int, BeforeValidator(_whole_number), Field(ge=0)]
 Number = Annotated[float | int, BeforeValidator(_reject_bool)]
 Text = Annotated[str, Field(strict=True)]
 
@@ -229,7 +236,7 @@ class Section(BaseModel):
 
 class DeepSpeedSection(Section):
     deepspeed_config_file: Text | None = None
-    zero_stage: Annotated[int, BeforeValidator(_reject_bool), Field(ge=0, le=3)] | None = None
+    zero_stage: Annotated[int, BeforeValidator(_whole_number), Field(ge=0, le=3)] | None = None
     offload_optimizer_device: Annotated[str, _choice(OFFLOAD_DEVICES, case_insensitive=True, keep_case=True)] | None = None
     offload_param_device: Annotated[str, _choice(OFFLOAD_DEVICES, case_insensitive=True, keep_case=True)] | None = None
     offload_optimizer_nvme_path: Text | None = None
@@ -406,7 +413,7 @@ class MpirunSection(Section):
 
 class ParallelismSection(Section):
     parallelism_config_dp_replicate_size: PositiveInt | None = None
-    parallelism_config_dp_shard_size: Annotated[int, BeforeValidator(_reject_bool), Field(ge=-1)] | None = None
+    parallelism_config_dp_shard_size: Annotated[int, BeforeValidator(_whole_number), Field(ge=-1)] | None = None
     parallelism_config_tp_size: PositiveInt | None = None
     parallelism_config_cp_size: PositiveInt | None = None
     parallelism_config_sp_size: PositiveInt | None = None
@@ -485,12 +492,12 @@ class ClusterConfig(BaseConfig):
     """A config for this machine or a cluster of machines (compute_environment LOCAL_MACHINE)."""
 
     distributed_type: Annotated[DistributedType, _enum_value(DistributedType)]
-    num_processes: Annotated[int, BeforeValidator(_reject_bool), Field(ge=-1)] = -1
+    num_processes: Annotated[int, BeforeValidator(_whole_number), Field(ge=-1)] = -1
     machine_rank: NonNegativeInt = 0
     num_machines: PositiveInt = 1
     gpu_ids: Annotated[str, BeforeValidator(_gpu_ids)] | None = None
     main_process_ip: Text | None = None
-    main_process_port: Annotated[int, BeforeValidator(_reject_bool), Field(ge=0, le=65535)] | None = None
+    main_process_port: Annotated[int, BeforeValidator(_whole_number), Field(ge=0, le=65535)] | None = None
     rdzv_backend: Annotated[str, _choice(RDZV_BACKENDS)] = "static"
     same_network: Flag = False
     main_training_function: Text = "main"

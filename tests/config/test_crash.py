@@ -61,7 +61,8 @@ def test_killed_update_leaves_old_or_new_content(tmp_path):
     for run in range(RUNS):
         path = tmp_path / f"run{run}.yaml"
         path.write_text(old)
-        kill_at_random(start("atomic", path, []), duration, rng)
+        # up to 1.5x the measured run time, so the kills also land after a finished write under load
+        kill_at_random(start("atomic", path, []), duration * 1.5, rng)
         content = path.read_text()
         assert content in (old, new), f"run {run}: partial file of {len(content)} characters"
         outcomes["old" if content == old else "new"] += 1
