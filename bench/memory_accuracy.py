@@ -1,0 +1,168 @@
+"""How close is `estimate-memory` to real training? Estimate / measured for a few tiny models.
+
+For each model we train a few real steps on CPU with AdamW (foreach, as on GPUs) and measure the peak of
+live tensor memory with PyTorch's `torch.distributed._tools.mem_tracker.MemTracker` (it follows every
+tensor storage through a dispatch mode and sorts it into parameters, gradients, optimizer states,
+activations and temporaries). When a CUDA device is present, the same runs also report
+`torch.cuda.max_memory_allocated`. We print ratios; nothing here passes or fails.
+
+Two rows per model: "model states" (batch 1, short input: parameters + gradients + optimizer states
+dominate) and "with activations" (a real batch). The estimate is `ddp` on one process, fp32.
+
+    python bench/memory_accuracy.py            # about a minute on 2 CPU cores
+    python bench/memory_accuracy.py --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "shims"))  # torchvision shim (CPU torch beside a CUDA torchvision wheel)
+import sitecustomize  # noqa: E402,F401
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def tiny_configs() -> dict[str, object]:
+    import transformers
+
+    common = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    return {
+        "gpt2-tiny": transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8000, n_positions=512,
+                                             architectures=["GPT2LMHeadModel"], **common),
+        "bert-tiny": transformers.BertConfig(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, intermediate_size=1024,
+                                             vocab_size=8000, max_position_embeddings=512, architectures=["BertForMaskedLM"]),
+        "t5-tiny": transformers.T5Config(num_layers=3, num_decoder_layers=3, d_model=256, d_ff=1024, num_heads=4, d_kv=64,
+                                         vocab_size=8000, decoder_start_token_id=0, architectures=["T5ForConditionalGeneration"]),
+        "llama-tiny": transformers.LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                                               num_key_value_heads=2, vocab_size=8000, max_position_embeddings=1024,
+                                               architectures=["LlamaForCausalLM"], **common),
+    }
+
+
+def save_configs(root: Path) -> dict[str, Path]:
+    folders = {}
+    for name, config in tiny_configs().items():
+        folder = root / name
+        config.save_pretrained(folder)
+        folders[name] = folder
+    folder = root / "timm-resnet18"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architecture": "resnet18", "num_classes": 100, '
+                                        '"pretrained_cfg": {"input_size": [3, 128, 128], "num_classes": 100}}')
+    folders["timm-resnet18"] = folder
+    return folders
+
+
+def real_model(folder: Path, library: str):
+    if library == "timm":
+        import timm
+
+        return timm.create_model(f"local-dir:{folder}", pretrained=False)
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    cls = getattr(transformers, config.architectures[0])
+    return cls(config)
+
+
+def batch_for(model, library: str, batch: int, seq: int):
+    import torch
+
+    if library == "timm":
+        size = model.pretrained_cfg["input_size"]
+        return {"x": torch.randn(batch, *size), "y": torch.randint(0, 100, (batch,))}
+    ids = torch.randint(1, model.config.vocab_size, (batch, seq))
+    inputs = {"input_ids": ids, "labels": ids.clone()}
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = ids.clone()
+    return inputs
+
+
+def train_and_measure(model, library: str, batch: int, seq: int, steps: int) -> dict[str, int]:
+    """Peak live tensor memory over `steps` AdamW steps (the first step, which creates the states, included)."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    data = batch_for(model, library, batch, seq)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    cuda = torch.cuda.is_available()
+    with tracker:
+        for step in range(steps):
+            if library == "timm":
+                out = model(data["x"])
+                loss = torch.nn.functional.cross_entropy(out, data["y"])
+            else:
+                out = model(**data)
+                loss = out.loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step < steps - 1:
+                tracker.reset_mod_stats()  # MemTracker tracks one iteration of module stats at a time
+    peak = tracker.get_tracker_snapshot("peak")
+    device = next(iter(peak))
+    stats = {str(k).split(".")[-1].lower(): int(v) for k, v in peak[device].items()}
+    states = sum(p.numel() * p.element_size() for p in model.parameters()) * 2 + sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    stats["model_states"] = states
+    if cuda:  # pragma: no cover - GPU machines only
+        stats["cuda_max_allocated"] = int(torch.cuda.max_memory_allocated())
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from prefect_accelerate.memory import EstimateOptions, estimate
+    from prefect_accelerate.memory.units import human_bytes
+
+    torch.manual_seed(0)
+    runs = [("model states", 1, 32), ("with activations", 8, 256)]
+    header = (f"{'model':<14} {'run':<17} {'estimate':>11} {'measured':>11} {'ratio':>6}   "
+              f"{'states est.':>11} {'states meas.':>12} {'ratio':>6}   {'act. est.':>10} {'act.+temp at peak':>17}")
+    print("Measured with torch.distributed._tools.mem_tracker.MemTracker (peak of live tensors, CPU), AdamW foreach.")
+    print("estimate = per-device total for --strategy ddp --num_processes 1 (fp32); states = params + grads + Adam states.")
+    print(header)
+    print("-" * len(header))
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = save_configs(Path(tmp))
+        for name, folder in folders.items():
+            library = "timm" if name.startswith("timm") else "transformers"
+            for label, batch, seq in runs:
+                est = estimate(str(folder), EstimateOptions(strategy="ddp", batch_size=batch, seq_len=seq))
+                b = est.breakdown
+                started = time.perf_counter()
+                measured = train_and_measure(real_model(folder, library), library, batch, seq, args.steps)
+                del started
+                est_states = sum(b.item(k).bytes for k in ("parameters", "gradients", "optimizer_states"))
+                act = b.item("activations").bytes + b.item("backward_temporaries").bytes
+                meas_act = measured.get("act", 0) + measured.get("temp", 0)
+                ratio = b.device_total_bytes / measured["total"]
+                ratios.append(ratio)
+                print(f"{name:<14} {label:<17} {human_bytes(b.device_total_bytes):>11} {human_bytes(measured['total']):>11} "
+                      f"{ratio:6.2f}   {human_bytes(est_states):>11} {human_bytes(measured['model_states']):>12} "
+                      f"{est_states / measured['model_states']:6.2f}   {human_bytes(act):>10} {human_bytes(meas_act):>17}")
+                if "cuda_max_allocated" in measured:  # pragma: no cover
+                    print(f"{'':<14} {'':<17} cuda max_memory_allocated {human_bytes(measured['cuda_max_allocated'])}")
+    print(f"\nestimate / measured: min {min(ratios):.2f}, max {max(ratios):.2f} (aim: within 0.85-1.15)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

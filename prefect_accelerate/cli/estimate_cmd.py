@@ -1,0 +1,124 @@
+"""`prefect-accelerate estimate-memory`: Accelerate's table, a per-device breakdown, and a fit verdict.
+
+Accelerate's flags (`model_name`, `--library_name`, `--dtypes`, `--trust_remote_code`) behave as in
+`accelerate estimate-memory` 1.16.0, offline-first; the layout flags add the per-device breakdown.
+Nothing here imports torch or prefect at import time (`prefect-accelerate --help` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from prefect_accelerate.cli.parser import given
+from prefect_accelerate.cli.tracking import add_tracking_flags, should_track
+from prefect_accelerate.memory.choices import (
+    DEFAULT_DTYPES,
+    DEFAULT_RESERVE_FRACTION,
+    DTYPES,
+    LIBRARIES,
+    MIXED_PRECISIONS,
+    OFFLOADS,
+    OPTIMIZERS,
+    STRATEGIES,
+)
+
+#: Flags that ask for the per-device breakdown (the strategy then defaults to ddp).
+_LAYOUT_DESTS = ("strategy", "num_processes", "num_machines", "offload", "optimizer", "mixed_precision",
+                 "gradient_checkpointing", "batch_size", "seq_len", "model_class", "device_memory")
+
+#: Exit status when the verdict says the run does not fit (errors exit 2, as everywhere in the CLI).
+NOT_FIT_EXIT_CODE = 1
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "estimate-memory",
+        help="Size a model without downloading weights; per-device memory for a training layout, and whether it fits.",
+        description=(
+            "Accelerate's `estimate-memory` table (same numbers), from a local folder, the Hugging Face cache, the Hub "
+            "or a timm name, without weights. Any layout flag (--strategy, --num_processes, --mixed_precision, "
+            "--batch_size, --device_memory...) adds the per-device breakdown for training the model class with its "
+            "head; --device_memory adds a fit verdict (exit status 1 when it does not fit)."
+        ),
+    )
+    p.add_argument("model_name", help="A folder holding config.json, a Hub repo id (the local cache first), or a timm architecture name.")
+    p.add_argument("--library_name", choices=LIBRARIES, default=None,
+                   help="The model's library; read from the config (or the Hub's metadata) when not given.")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DEFAULT_DTYPES), metavar="DTYPE",
+                   help=f"Rows of the table, in order: any of {', '.join(DTYPES)} (default: {' '.join(DEFAULT_DTYPES)}).")
+    p.add_argument("--trust_remote_code", action="store_true", default=False,
+                   help="Allow the model's own modeling code (config `auto_map`) to run. Read that code first.")
+    layout = p.add_argument_group("Training layout (per-device breakdown)")
+    layout.add_argument("--model_class", default=None,
+                        help="Class to train, e.g. AutoModelForSequenceClassification (default: the config's `architectures`).")
+    layout.add_argument("--strategy", choices=STRATEGIES, default=None, help="How training is distributed (default: ddp).")
+    layout.add_argument("--num_processes", type=int, default=1, help="Processes (devices) on all machines together (default: 1).")
+    layout.add_argument("--num_machines", type=int, default=1, help="Machines (default: 1).")
+    layout.add_argument("--offload", choices=OFFLOADS, default="none", help="What ZeRO/FSDP keeps in CPU memory (default: none).")
+    layout.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="Optimizer (default: adamw).")
+    layout.add_argument("--mixed_precision", choices=MIXED_PRECISIONS, default="no", help="Mixed precision (default: no).")
+    layout.add_argument("--gradient_checkpointing", action="store_true", default=False, help="Recompute block activations in backward.")
+    layout.add_argument("--batch_size", type=int, default=1, help="Samples per device per step (default: 1).")
+    layout.add_argument("--seq_len", type=int, default=None,
+                        help="Tokens per sample (default: the model's maximum, capped at 2048).")
+    fit = p.add_argument_group("Fit verdict")
+    fit.add_argument("--device_memory", default=None,
+                     help="Memory of one device, e.g. 80GiB or 80GB, or `auto` for the smallest CUDA device here.")
+    fit.add_argument("--reserve", type=float, default=DEFAULT_RESERVE_FRACTION,
+                     help=f"Share of device memory kept back for the CUDA context and fragmentation (default: {DEFAULT_RESERVE_FRACTION}).")
+    p.add_argument("--json", action="store_true", default=False, help="Print the estimate (and verdict) as JSON.")
+    add_tracking_flags(p, tracked_by_default=False)
+    p.set_defaults(func=run)
+
+
+def options_from_args(args: argparse.Namespace):  # noqa: ANN201 - EstimateOptions, imported lazily
+    """Build EstimateOptions from parsed flags; any layout flag turns the breakdown on."""
+    from prefect_accelerate.errors import UsageError
+    from prefect_accelerate.memory.models import EstimateOptions
+
+    wants_layout = any(given(args, dest) for dest in _LAYOUT_DESTS)
+    for name in ("num_processes", "num_machines", "batch_size", "seq_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UsageError(f"--{name} must be at least 1, got {value}.")
+    return EstimateOptions(
+        library_name=args.library_name,
+        dtypes=tuple(args.dtypes),
+        trust_remote_code=args.trust_remote_code,
+        model_class=args.model_class,
+        strategy=(args.strategy or "ddp") if wants_layout else None,
+        num_processes=args.num_processes,
+        num_machines=args.num_machines,
+        offload=args.offload,
+        optimizer=args.optimizer,
+        mixed_precision=args.mixed_precision,
+        gradient_checkpointing=args.gradient_checkpointing,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
+    device_memory = None if args.device_memory in (None, "auto") else args.device_memory
+    check = args.device_memory is not None
+    if should_track(args):
+        from prefect_accelerate.flows.memory import estimate_memory_flow
+
+        result, verdict = estimate_memory_flow(args.model_name, options, device_memory=device_memory, check=check,
+                                               reserve_fraction=args.reserve)
+    else:
+        from prefect_accelerate.memory.core import estimate
+        from prefect_accelerate.memory.fit import check_fit
+
+        result = estimate(args.model_name, options)
+        verdict = check_fit(result, device_memory, args.reserve) if check else None
+    if args.json:
+        payload = {"estimate": result.model_dump(mode="json"), "verdict": verdict.model_dump(mode="json") if verdict else None}
+        print(json.dumps(payload, indent=2))
+    else:
+        from prefect_accelerate.memory.report import render_text
+
+        print(render_text(result, verdict))
+    return NOT_FIT_EXIT_CODE if verdict is not None and not verdict.fits else 0

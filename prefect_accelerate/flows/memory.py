@@ -1,0 +1,41 @@
+"""`estimate_memory_flow`: the estimate as a tracked flow run (the CLI's `--track`), with the fit verdict."""
+
+from __future__ import annotations
+
+from pathlib import PurePath
+
+from prefect import flow
+
+from prefect_accelerate.memory.models import EstimateOptions, FitVerdict, MemoryEstimate
+from prefect_accelerate.tasks.memory import estimate_memory, memory_fit
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    model = str(flow_run.parameters.get("model", "model"))
+    return f"estimate-memory-{PurePath(model).name or model}"
+
+
+@flow(name="estimate-memory", flow_run_name=_flow_run_name, log_prints=True)
+def estimate_memory_flow(model: str, options: EstimateOptions | None = None, device_memory: str | int | None = None,
+                         check: bool = False, reserve_fraction: float = 0.10,
+                         gate: bool = False) -> tuple[MemoryEstimate, FitVerdict | None]:
+    """Estimate a model's memory and, when asked, judge the fit on one device.
+
+    Args:
+        model: a folder with config.json, a Hub repo id (HF cache first), or a timm architecture name.
+        options: dtypes and the training layout (a strategy is needed for the verdict).
+        device_memory: ``"80GiB"``; None with ``check=True`` detects this machine's devices.
+        check: judge the fit (implied by ``device_memory``).
+        reserve_fraction: share of each device kept back in the verdict.
+        gate: fail the flow when the run would not fit (the preflight behaviour).
+
+    Returns:
+        (estimate, verdict or None).
+    """
+    result = estimate_memory(model, options)
+    verdict = None
+    if check or device_memory is not None:
+        verdict = memory_fit(result, device_memory, reserve_fraction, raise_on_failure=gate)
+    return result, verdict

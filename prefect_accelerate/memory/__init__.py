@@ -1,0 +1,42 @@
+"""Model sizing without weights, per-device estimates for each strategy, and a fit verdict.
+
+The pure API, importable without Prefect (and without torch until a model is built):
+
+    from prefect_accelerate.memory import EstimateOptions, estimate, check_fit
+
+    est = estimate("./my-model", EstimateOptions(strategy="zero3", num_processes=8, mixed_precision="bf16"))
+    verdict = check_fit(est, "80GiB")
+
+Names are loaded on first use so that importing this package stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "estimate": "prefect_accelerate.memory.core",
+    "check_fit": "prefect_accelerate.memory.fit",
+    "detect_device_memory": "prefect_accelerate.memory.fit",
+    "resolve_model": "prefect_accelerate.memory.resolve",
+    "device_breakdown": "prefect_accelerate.memory.strategies",
+    "render_table": "prefect_accelerate.memory.table",
+    "render_text": "prefect_accelerate.memory.report",
+    "parse_memory_size": "prefect_accelerate.memory.units",
+    "EstimateOptions": "prefect_accelerate.memory.models",
+    "MemoryEstimate": "prefect_accelerate.memory.models",
+    "FitVerdict": "prefect_accelerate.memory.models",
+    "DeviceBreakdown": "prefect_accelerate.memory.models",
+    "ModelProfile": "prefect_accelerate.memory.models",
+    "ModelSource": "prefect_accelerate.memory.models",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'prefect_accelerate.memory' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

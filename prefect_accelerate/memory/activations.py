@@ -1,0 +1,401 @@
+"""Activation memory, measured rather than guessed: one forward pass on fake tensors.
+
+Accelerate counts no activations, and that is where users find the largest gaps between its estimate
+and real usage (reference prefect-and-peers §10.21). A formula per architecture would be wrong for every
+architecture it was not written for, so we run the real forward of the model that will be trained, with
+a real loss, on fake tensors (PyTorch's FakeTensorMode: shapes and dtypes, no data, no allocation), and
+add up every tensor autograd saves for backward (`saved_tensors_hooks`). That is the memory backward
+needs, for this model's own code and the attention kernel CPU picks (SDPA's fused path, which, as on
+GPUs, does not keep the seq x seq attention matrix).
+
+Fake CPU tensors rather than meta tensors: meta tensors take SDPA's math path and ignore autocast.
+
+Deep stacks are traced shallow: a config with many identical blocks is traced with two blocks and the
+second block's figures stand for the rest (tests check this against full-depth traces). A 70B-shaped
+model then traces in a fraction of a second instead of seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+from prefect_accelerate.errors import EstimateError
+from prefect_accelerate.memory.models import ActivationProfile
+
+DEFAULT_MAX_SEQ_LEN = 2048
+FALLBACK_SEQ_LEN = 512
+#: Blocks kept when tracing a deep stack shallow; stacks up to this many times 4 are traced in full.
+SHALLOW_BLOCKS = 2
+SHALLOW_FROM = 8
+
+_SINGLE_LABEL_SUFFIXES = ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification", "ForMultipleChoice")
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+
+
+def default_seq_len(config: Any) -> int:
+    """The sequence length used when the user gives none: the model's maximum, capped at 2048."""
+    limit = _position_limit(config)
+    return min(limit, DEFAULT_MAX_SEQ_LEN) if limit else FALLBACK_SEQ_LEN
+
+
+def _position_limit(config: Any) -> int | None:
+    for attr in _POSITION_LIMITS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def weight_dtype(precision_mode: str) -> str:
+    """The dtype the weights have during forward: float32, or the 16-bit type of bf16*/fp16* modes."""
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(precision_mode.split("+")[0], "float32")
+
+
+def shallow_config(config: Any) -> tuple[Any, int] | None:
+    """A copy of a transformers config with `SHALLOW_BLOCKS` blocks, and the real depth; None when unsafe.
+
+    Unsafe: encoder-decoder models (two stacks), and configs that describe blocks one by one (any list
+    as long as the stack, such as ``layer_types``), whose blocks may differ.
+    """
+    depth = getattr(config, "num_hidden_layers", None)
+    if not isinstance(depth, int) or depth < SHALLOW_FROM or getattr(config, "is_encoder_decoder", False):
+        return None
+    for value in vars(config).values():
+        if isinstance(value, (list, tuple)) and len(value) == depth and len(set(map(repr, value))) > 1:
+            return None
+    shallow = copy.deepcopy(config)
+    try:
+        shallow.num_hidden_layers = SHALLOW_BLOCKS
+        for name, value in vars(shallow).items():
+            if isinstance(value, list) and len(value) == depth:
+                setattr(shallow, name, value[:SHALLOW_BLOCKS])
+    except (AttributeError, ValueError, TypeError):
+        return None
+    return shallow, depth
+
+
+def trace_activations(
+    model: Any,
+    *,
+    library: str,
+    batch_size: int,
+    seq_len: int | None,
+    precision_mode: str,
+    full_depth: int | None = None,
+) -> ActivationProfile:
+    """Run one forward pass of a fake-tensor model and measure what backward will need.
+
+    Args:
+        model: the trained class with fake CPU tensors (build.build_trained_model, then build.to_fake),
+            weights already in the dtype of ``precision_mode`` (see `weight_dtype`).
+        library: ``transformers`` or ``timm`` (decides the inputs and the loss).
+        batch_size: samples per device.
+        seq_len: tokens per sample (text models); None uses the model's maximum, capped at 2048.
+        precision_mode: ``fp32``; ``autocast-bf16``/``autocast-fp16`` (fp32 weights under autocast, as
+            DDP with Accelerate's mixed precision); ``bf16``/``fp16`` (16-bit weights, as DeepSpeed);
+            ``bf16+autocast``/``fp16+autocast`` (16-bit weights under autocast, as FSDP).
+        full_depth: when ``model`` is a shallow copy, the real number of blocks to extrapolate to.
+
+    Returns:
+        An ActivationProfile; ``method="not estimated"`` with a note when the inputs are not supported
+        or the forward cannot run on fake tensors (data-dependent code).
+
+    Raises:
+        EstimateError: ``seq_len`` is longer than the model's position embeddings allow.
+    """
+    import torch
+
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    autocast_dtype = None
+    if precision_mode.startswith("autocast-"):
+        autocast_dtype = half[precision_mode.removeprefix("autocast-")]
+    elif precision_mode.endswith("+autocast"):
+        autocast_dtype = half[precision_mode.split("+")[0]]
+    model.train()
+
+    config = getattr(model, "config", None)
+    used_seq: int | None = None
+    if library == "timm":
+        size = tuple(getattr(model, "pretrained_cfg", {}).get("input_size") or (3, 224, 224))
+        description = f"{batch_size} image(s) of {'x'.join(map(str, size))}"
+    elif model.main_input_name == "input_ids":
+        used_seq = seq_len or default_seq_len(config)
+        limit = _position_limit(config)
+        if seq_len and limit and seq_len > limit and _absolute_positions(model):
+            raise EstimateError(
+                f"--seq_len {seq_len} is longer than {type(model).__name__} can take: its position embeddings stop at "
+                f"{limit} tokens (config `{next(a for a in _POSITION_LIMITS if getattr(config, a, None) == limit)}`). "
+                f"Use --seq_len {limit} or less."
+            )
+        description = f"{batch_size} sequence(s) of {used_seq} tokens"
+    elif model.main_input_name == "pixel_values":
+        image = _image_size(config)
+        description = f"{batch_size} image(s) of {getattr(config, 'num_channels', 3)}x{image[0]}x{image[1]}"
+    else:
+        return ActivationProfile(
+            method="not estimated", batch_size=batch_size, seq_len=seq_len, input_description=f"`{model.main_input_name}`",
+            precision_mode=precision_mode,
+            note=(f"Activations are not estimated: {type(model).__name__} takes `{model.main_input_name}`; "
+                  "only token ids and images are supported."),
+        )
+
+    params = {id(p) for p in model.parameters()}
+    recorder = _SavedTensorRecorder(params)
+    layers = _checkpoint_layers(model)
+    handles = [layer.register_forward_pre_hook(recorder.enter_layer, with_kwargs=True) for layer in layers]
+    handles += [layer.register_forward_hook(recorder.leave_layer) for layer in layers]
+    mode = _fake_mode_of(model)
+    watch = _param_casts(recorder, params) if autocast_dtype is not None else contextlib.nullcontext()
+    try:
+        with mode, watch, _moe_without_grouped_mm(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
+            with _autocast(autocast_dtype):
+                if library == "timm":
+                    result = model(torch.zeros((batch_size, *size)))
+                    loss = torch.nn.functional.cross_entropy(result.float(), torch.zeros(batch_size, dtype=torch.long))
+                    outputs = [result, loss]
+                else:
+                    outputs = list(_tensors_in(model(**_transformers_inputs(model, batch_size, used_seq))))
+    except EstimateError:
+        raise
+    except Exception as error:  # data-dependent control flow, unsupported ops, custom code
+        first_line = (str(error).splitlines() or [""])[0][:200]
+        return ActivationProfile(
+            method="not estimated", batch_size=batch_size, seq_len=used_seq, input_description=description,
+            precision_mode=precision_mode,
+            note=(f"Activations are not estimated: the forward of {type(model).__name__} does not run on fake tensors "
+                  f"({type(error).__name__}: {first_line})."),
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    retained = 0
+    for tensor in outputs:
+        base = tensor._base if tensor._base is not None else tensor
+        if id(base) not in recorder.seen and id(base) not in params:
+            recorder.seen.add(id(base))
+            retained += _nbytes(base)
+            recorder.largest = max(recorder.largest, _nbytes(base))
+    count = len(recorder.layer_index)
+    per_layer = [recorder.saved_in[i] for i in range(count)]
+    inputs = [recorder.inputs_of[i] for i in range(count)]
+    casts = [recorder.casts_in[i] for i in range(count)]
+    note = ""
+    if full_depth and count and full_depth > count:
+        # every block after the traced ones is like the last traced block
+        extra = full_depth - count
+        per_layer += [per_layer[-1]] * extra
+        inputs += [inputs[-1]] * extra
+        casts += [casts[-1]] * extra
+        note = f"Traced {count} of {full_depth} identical blocks; the rest counted like the last one."
+    cast_total = recorder.cast_outside + sum(casts)
+    return ActivationProfile(
+        method="traced", batch_size=batch_size, seq_len=used_seq, input_description=description,
+        precision_mode=precision_mode,
+        saved_bytes=recorder.outside + sum(per_layer),
+        outside_layers_bytes=recorder.outside,
+        per_layer_bytes=per_layer,
+        layer_input_bytes=sum(inputs),
+        retained_output_bytes=retained,
+        largest_tensor_bytes=recorder.largest,
+        autocast_weight_copy_bytes=cast_total,
+        note=note,
+    )
+
+
+class _SavedTensorRecorder:
+    """Adds up distinct tensors saved for backward, per checkpointing block, leaving parameters out.
+
+    Autocast's 16-bit copies of weights are counted apart (``casts_in``, ``cast_outside``): they are
+    weights, not activations, and only DDP keeps them (FSDP and DeepSpeed compute in 16-bit already).
+    """
+
+    def __init__(self, params: set[int]) -> None:
+        self.params = params
+        self.seen: set[int] = set()
+        self.keep: list[Any] = []  # holds every counted tensor so that no id is reused while we count
+        self.casts: set[int] = set()
+        self.outside = 0
+        self.cast_outside = 0
+        self.largest = 0
+        self.layer_index: dict[int, int] = {}
+        self.saved_in: dict[int, int] = {}
+        self.casts_in: dict[int, int] = {}
+        self.inputs_of: dict[int, int] = {}
+        self.current: int | None = None
+        self.input_ids: set[int] = set()
+
+    def pack(self, tensor: Any) -> Any:
+        base = tensor._base if tensor._base is not None else tensor
+        key = id(base)
+        if key in self.params or key in self.seen:
+            return tensor
+        self.seen.add(key)
+        self.keep.append(base)
+        size = _nbytes(base)
+        if key in self.casts:
+            if self.current is None:
+                self.cast_outside += size
+            else:
+                self.casts_in[self.current] += size
+            return tensor
+        self.largest = max(self.largest, size)
+        if self.current is None:
+            self.outside += size
+        else:
+            self.saved_in[self.current] += size
+        return tensor
+
+    def enter_layer(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.current is not None:
+            return
+        index = self.layer_index.setdefault(id(module), len(self.layer_index))
+        for table in (self.saved_in, self.casts_in, self.inputs_of):
+            table.setdefault(index, 0)
+        self.current = index
+        # what activation checkpointing keeps of this block: its floating-point tensor inputs
+        for value in list(args) + list(kwargs.values()):
+            for tensor in _tensors_in(value):
+                key = id(tensor)
+                if key not in self.input_ids and key not in self.params and tensor.is_floating_point():
+                    self.input_ids.add(key)
+                    self.keep.append(tensor)
+                    self.inputs_of[index] += _nbytes(tensor)
+
+    def leave_layer(self, module: Any, args: tuple, output: Any) -> None:
+        if self.layer_index.get(id(module)) == self.current:
+            self.current = None
+
+
+def _unpack(tensor: Any) -> Any:
+    return tensor
+
+
+def _nbytes(tensor: Any) -> int:
+    return int(tensor.numel()) * tensor.element_size()
+
+
+def _tensors_in(value: Any) -> Iterator[Any]:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+
+
+def _fake_mode_of(model: Any) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if isinstance(tensor, FakeTensor):
+            return tensor.fake_mode
+    raise ValueError("trace_activations needs a model with fake tensors (build.to_fake)")
+
+
+def _absolute_positions(model: Any) -> bool:
+    """True when the model has a learned position table (it cannot take longer inputs at all)."""
+    import torch
+
+    return any(
+        isinstance(module, torch.nn.Embedding) and ("position" in name or name.endswith("wpe"))
+        for name, module in model.named_modules()
+    )
+
+
+def _image_size(config: Any) -> tuple[int, int]:
+    image = getattr(config, "image_size", 224)
+    return tuple(image) if isinstance(image, (list, tuple)) else (image, image)  # type: ignore[return-value]
+
+
+def _checkpoint_layers(model: Any) -> list[Any]:
+    """The blocks activation checkpointing wraps: transformers' GradientCheckpointingLayer, else no-split blocks."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        GradientCheckpointingLayer = None  # noqa: N806
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    if GradientCheckpointingLayer is not None:
+        return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def _transformers_inputs(model: Any, batch_size: int, seq_len: int | None) -> dict[str, Any]:
+    """Inputs and labels as a training loop passes them, so the loss is part of the trace."""
+    import torch
+
+    config = model.config
+    name = type(model).__name__
+    accepts = inspect.signature(model.forward).parameters
+    single_label = name.endswith(_SINGLE_LABEL_SUFFIXES)
+    if model.main_input_name == "pixel_values":
+        inputs = {"pixel_values": torch.zeros(batch_size, getattr(config, "num_channels", 3), *_image_size(config))}
+        if "labels" in accepts and single_label:
+            inputs["labels"] = torch.zeros(batch_size, dtype=torch.long)
+        return inputs
+    inputs = {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long)}
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in accepts:
+        inputs["decoder_input_ids"] = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    if "labels" in accepts and not name.endswith("ForQuestionAnswering"):
+        shape = (batch_size,) if single_label else (batch_size, seq_len)
+        inputs["labels"] = torch.zeros(shape, dtype=torch.long)
+    return inputs
+
+
+@contextlib.contextmanager
+def _autocast(dtype: Any) -> Iterator[None]:
+    import torch
+
+    if dtype is None:
+        yield
+        return
+    with torch.autocast("cpu", dtype=dtype):
+        yield
+
+
+def _param_casts(recorder: _SavedTensorRecorder, params: set[int]) -> Any:
+    """Mark the copies autocast makes of weights, so they are counted apart from activations."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    to_copy = torch.ops.aten._to_copy.default
+
+    class _CastWatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            out = func(*args, **(kwargs or {}))
+            if func is to_copy and args and id(args[0]) in params:
+                recorder.casts.add(id(out))
+                recorder.keep.append(out)
+            return out
+
+    return _CastWatch()
+
+
+@contextlib.contextmanager
+def _moe_without_grouped_mm() -> Iterator[None]:
+    """transformers' grouped-mm experts path demands bf16 on fake tensors; its fallback op traces in any dtype.
+
+    Both save the same tensors for backward (the routed inputs), so the measurement is the same.
+    """
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+    moe._can_use_grouped_mm = lambda *args, **kwargs: False
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original

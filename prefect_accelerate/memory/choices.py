@@ -1,0 +1,35 @@
+"""The vocabulary of `estimate-memory`, as data: the parser, the models and the formulas all read it.
+
+Pure Python on purpose: `prefect-accelerate --help` imports this module and must stay fast.
+"""
+
+from __future__ import annotations
+
+#: Row names of Accelerate's table, in Accelerate's default order (bfloat16 is our addition).
+DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "int8", "int4")
+DEFAULT_DTYPES: tuple[str, ...] = ("float32", "float16", "int8", "int4")
+
+#: How Accelerate scales the float32 sizes for each row (int4 is half of int8).
+DTYPE_DIVISOR: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 2, "int8": 4, "int4": 8}
+
+LIBRARIES: tuple[str, ...] = ("timm", "transformers")
+
+STRATEGIES: tuple[str, ...] = (
+    "ddp",
+    "zero1",
+    "zero2",
+    "zero3",
+    "fsdp_full_shard",
+    "fsdp_shard_grad_op",
+    "fsdp_hybrid_shard",
+)
+DEEPSPEED_STRATEGIES: tuple[str, ...] = ("zero1", "zero2", "zero3")
+FSDP_STRATEGIES: tuple[str, ...] = ("fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard")
+
+OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
+OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "adafactor", "adamw_8bit")
+MIXED_PRECISIONS: tuple[str, ...] = ("no", "fp16", "bf16")
+
+#: Share of device memory kept back in a fit verdict for the CUDA context, allocator fragmentation
+#: and communication buffers nobody accounts for (see docs/memory.md, "Fit verdict").
+DEFAULT_RESERVE_FRACTION = 0.10

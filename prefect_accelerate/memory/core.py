@@ -1,0 +1,75 @@
+"""`estimate(model, options)`: the one entry point the CLI, the Prefect task and the preflight flow call."""
+
+from __future__ import annotations
+
+from prefect_accelerate._version import __version__
+from prefect_accelerate.memory.models import EstimateOptions, MemoryEstimate, ModelProfile, ModelSource
+from prefect_accelerate.memory.resolve import resolve_model
+
+
+def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -> MemoryEstimate:
+    """Size a model without weights: Accelerate's table, plus the per-device breakdown when a strategy is set.
+
+    Args:
+        model: a folder holding config.json, a Hub repo id (the local cache first), a timm architecture
+            name, or a `ModelSource` from `resolve_model`.
+        options: dtypes for the table, and the training layout for the breakdown (``strategy=None``
+            gives the table only).
+
+    Returns:
+        A MemoryEstimate; ``.breakdown`` is set when ``options.strategy`` is.
+
+    Raises:
+        EstimateError: the model cannot be found or built (message says which and how to fix it).
+        DependencyError: transformers or timm is needed and missing.
+        UsageError: the layout cannot run (for example ``--offload optimizer`` with DDP).
+
+    Example:
+        >>> est = estimate("./my-model", EstimateOptions(strategy="zero3", num_processes=8, mixed_precision="bf16"))
+        >>> est.breakdown.device_total
+    """
+    from prefect_accelerate.memory.build import build_table_model, quiet_libraries
+    from prefect_accelerate.memory.sizing import table_sizes
+    from prefect_accelerate.memory.strategies import device_breakdown, validate_layout
+    from prefect_accelerate.memory.table import build_table
+
+    options = options or EstimateOptions()
+    if options.strategy is not None:
+        validate_layout(options)  # before any slow work
+    source = model if isinstance(model, ModelSource) else resolve_model(model, options.library_name)
+
+    with quiet_libraries():
+        table_model = build_table_model(source, options.trust_remote_code)
+        total, largest, names = table_sizes(table_model)
+        table = build_table(source.name, type(table_model).__name__, total, largest, names, options.dtypes)
+        del table_model
+        profile = measure_profile(source, options) if options.strategy is not None else None
+    breakdown = device_breakdown(profile, options) if profile is not None else None
+    return MemoryEstimate(model=source.name, source=source, options=options, table=table, profile=profile,
+                          breakdown=breakdown, package_version=__version__)
+
+
+def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfile:
+    """Build the trained class without weights, count it, and trace one forward for its activations."""
+    from prefect_accelerate.memory.activations import shallow_config, trace_activations, weight_dtype
+    from prefect_accelerate.memory.build import build_trained_model, to_fake
+    from prefect_accelerate.memory.sizing import model_profile
+    from prefect_accelerate.memory.strategies import precision_mode
+
+    model, class_name = build_trained_model(source, options.trust_remote_code, options.model_class)
+    profile = model_profile(model, class_name)
+    if not options.activations:
+        return profile
+    mode = precision_mode(options)
+    dtype = weight_dtype(mode)
+    depth = None
+    shallow = shallow_config(model.config) if source.library == "transformers" else None
+    if shallow is not None:
+        config, depth = shallow
+        model, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config)
+    elif dtype != "float32":
+        config = model.config if source.library == "transformers" else None
+        model, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config)
+    activations = trace_activations(to_fake(model), library=source.library, batch_size=options.batch_size,
+                                    seq_len=options.seq_len, precision_mode=mode, full_depth=depth)
+    return profile.model_copy(update={"activations": activations})

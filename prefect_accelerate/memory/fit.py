@@ -1,0 +1,206 @@
+"""Will it fit? A verdict with headroom, and the smallest change that makes it fit when it does not.
+
+The verdict compares the per-device total with the device's memory less a reserve (10% by default)
+for what no estimate sees: the CUDA context, allocator fragmentation and communication buffers.
+Suggestions are computed, not guessed: each candidate change is a new `EstimateOptions` run through
+the same arithmetic (`device_breakdown`) over the profile already measured, so no model is rebuilt.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from prefect_accelerate.errors import EstimateError, UsageError
+from prefect_accelerate.memory.choices import DEFAULT_RESERVE_FRACTION, DEEPSPEED_STRATEGIES, FSDP_STRATEGIES
+from prefect_accelerate.memory.models import EstimateOptions, FitVerdict, MemoryEstimate, ModelProfile, Suggestion
+from prefect_accelerate.memory.strategies import device_breakdown
+from prefect_accelerate.memory.units import human_bytes, parse_memory_size
+
+MAX_PROCESSES_PER_MACHINE = 16
+MAX_SUGGESTIONS = 5
+
+
+def detect_device_memory() -> tuple[int, str]:
+    """The smallest total memory among this machine's CUDA devices, and a description of them.
+
+    Raises:
+        EstimateError: there is no CUDA device here (then pass ``--device_memory``).
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch = None
+    if torch is None or not torch.cuda.is_available():
+        raise EstimateError(
+            "A fit verdict needs the memory of one training device, and this machine has no CUDA device to ask. "
+            "Pass it with `--device_memory 80GiB` (Python: check_fit(estimate, '80GiB'))."
+        )
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    smallest = min(props, key=lambda p: p.total_memory)
+    names = sorted({p.name for p in props})
+    return int(smallest.total_memory), f"detected: {len(props)} x {', '.join(names)} ({human_bytes(smallest.total_memory)} each)"
+
+
+def check_fit(estimate: MemoryEstimate, device_memory: str | int | None = None,
+              reserve_fraction: float = DEFAULT_RESERVE_FRACTION) -> FitVerdict:
+    """Compare an estimate's per-device total with one device's memory.
+
+    Args:
+        estimate: a MemoryEstimate with a breakdown (made with a strategy).
+        device_memory: ``"80GiB"``, ``"80GB"``, bytes, or None to use the smallest CUDA device here.
+        reserve_fraction: share of the device kept back for the CUDA context, fragmentation and
+            communication buffers.
+
+    Returns:
+        A FitVerdict; when the run does not fit, ``suggestions`` lists changes that make it fit, the
+        smallest change first.
+
+    Raises:
+        EstimateError: no breakdown to compare, or no device memory given and none detected.
+    """
+    if estimate.breakdown is None or estimate.profile is None:
+        raise EstimateError(
+            f"The estimate for `{estimate.model}` has no per-device breakdown, so there is nothing to compare with "
+            "device memory. Estimate with a strategy (`--strategy ddp`, or EstimateOptions(strategy='ddp'))."
+        )
+    if not 0 <= reserve_fraction < 1:
+        raise UsageError(f"The reserve must be a fraction between 0 and 1, got {reserve_fraction}.")
+    if device_memory is None:
+        memory, where = detect_device_memory()
+    else:
+        memory, where = parse_memory_size(device_memory), "given"
+    usable = int(memory * (1 - reserve_fraction))
+    breakdown = estimate.breakdown
+    required = breakdown.device_total_bytes
+    headroom = usable - required
+    fits = headroom >= 0
+    counted = ", ".join(f"{item.label.lower()} {item.human}" for item in breakdown.device_items if item.bytes)
+    suggestions = [] if fits else suggest(estimate.profile, estimate.options, usable)
+    layout = _describe_layout(estimate.options)
+    if fits:
+        message = (f"Fits: {breakdown.device_total} per device for {layout}, on {human_bytes(memory)} devices "
+                   f"({human_bytes(usable)} usable after a {reserve_fraction:.0%} reserve), headroom {human_bytes(headroom)}.")
+    else:
+        message = (f"Does not fit: {breakdown.device_total} per device for {layout}, but only {human_bytes(usable)} of "
+                   f"{human_bytes(memory)} is usable after a {reserve_fraction:.0%} reserve ({human_bytes(-headroom)} short).")
+        if suggestions:
+            message += f" Smallest change that fits: {suggestions[0].change} ({suggestions[0].device_total} per device)."
+        else:
+            message += " None of the changes we try (checkpointing, smaller batch, ZeRO/FSDP stages, offload, 8-bit optimizer, more processes) fits."
+    return FitVerdict(
+        fits=fits, device_memory_bytes=memory, device_memory=human_bytes(memory), device_source=where,
+        reserve_fraction=reserve_fraction, usable_bytes=usable, required_bytes=required, required=breakdown.device_total,
+        headroom_bytes=headroom, headroom=human_bytes(headroom), headroom_fraction=headroom / memory,
+        counted=counted, suggestions=suggestions, message=message,
+    )
+
+
+def _describe_layout(options: EstimateOptions) -> str:
+    parts = [options.strategy or "ddp", f"{options.num_processes} process(es)"]
+    if options.num_machines > 1:
+        parts.append(f"{options.num_machines} machines")
+    if options.mixed_precision != "no":
+        parts.append(options.mixed_precision)
+    if options.offload != "none":
+        parts.append(f"offload {options.offload}")
+    parts.append(options.optimizer)
+    parts.append(f"batch {options.batch_size}")
+    if options.gradient_checkpointing:
+        parts.append("gradient checkpointing")
+    return ", ".join(parts)
+
+
+def _single_changes(profile: ModelProfile, options: EstimateOptions) -> list[tuple[str, dict]]:
+    """Candidate one-knob changes, least disruptive first (code change < batch < launcher config < hardware)."""
+    changes: list[tuple[str, dict]] = []
+    traced = profile.activations is not None and profile.activations.method == "traced"
+    if traced and not options.gradient_checkpointing and profile.activations.per_layer_bytes:
+        changes.append(("--gradient_checkpointing", {"gradient_checkpointing": True}))
+    strategy = options.strategy
+    ladder = {
+        "ddp": ["zero1", "zero2", "fsdp_shard_grad_op", "zero3", "fsdp_full_shard"],
+        "zero1": ["zero2", "zero3"], "zero2": ["zero3"],
+        "fsdp_shard_grad_op": ["fsdp_full_shard"], "fsdp_hybrid_shard": ["fsdp_full_shard"],
+    }.get(strategy, [])
+    if options.num_processes > 1:
+        changes.extend((f"--strategy {name}", {"strategy": name}) for name in ladder)
+    if options.optimizer in ("adam", "adamw"):
+        changes.append(("--optimizer adamw_8bit", {"optimizer": "adamw_8bit"}))
+        changes.append(("--optimizer adafactor", {"optimizer": "adafactor"}))
+    if strategy in DEEPSPEED_STRATEGIES and options.offload == "none":
+        changes.append(("--offload optimizer", {"offload": "optimizer"}))
+    if strategy == "zero3" and options.offload != "optimizer+params":
+        changes.append(("--offload optimizer+params", {"offload": "optimizer+params"}))
+    if strategy in FSDP_STRATEGIES and options.offload == "none":
+        changes.append(("--offload optimizer+params", {"offload": "optimizer+params"}))
+    return changes
+
+
+class _Search:
+    """Tries candidate options against the usable memory and keeps the ones that fit, in the order tried."""
+
+    def __init__(self, profile: ModelProfile, options: EstimateOptions, usable: int) -> None:
+        self.profile, self.options, self.usable = profile, options, usable
+        self.found: list[Suggestion] = []
+
+    def total(self, options: EstimateOptions) -> int | None:
+        try:
+            return device_breakdown(self.profile, options).device_total_bytes
+        except UsageError:
+            return None
+
+    def attempt(self, change: str, patch: dict) -> bool:
+        candidate = self.options.model_copy(update=patch)
+        total = self.total(candidate)
+        if total is None or total > self.usable:
+            return False
+        self.found.append(Suggestion(change=change, options=candidate, device_total_bytes=total,
+                                     device_total=human_bytes(total), fits=True))
+        return True
+
+    def smaller_batch(self, patch: dict, prefix: str = "") -> None:
+        acts = self.profile.activations
+        if acts is None or acts.method != "traced" or self.options.batch_size <= 1:
+            return
+        base = self.options.model_copy(update=patch)
+        low, high, best = 1, self.options.batch_size - 1, None
+        while low <= high:
+            middle = (low + high) // 2
+            total = self.total(base.model_copy(update={"batch_size": middle}))
+            if total is not None and total <= self.usable:
+                best, low = middle, middle + 1
+            else:
+                high = middle - 1
+        if best is not None:
+            self.attempt(f"{prefix} --batch_size {best}".strip(), {**patch, "batch_size": best})
+
+    def more_processes(self, patch: dict, prefix: str = "") -> None:
+        if self.options.model_copy(update=patch).strategy == "ddp":
+            return  # DDP keeps a full copy on every device; more of them does not help
+        machines = self.options.num_machines
+        for per_machine in range(self.options.num_processes // machines + 1, MAX_PROCESSES_PER_MACHINE + 1):
+            processes = per_machine * machines
+            if self.attempt(f"{prefix} --num_processes {processes}".strip(), {**patch, "num_processes": processes}):
+                return
+
+
+def suggest(profile: ModelProfile, options: EstimateOptions, usable: int) -> list[Suggestion]:
+    """Changes that make the run fit, the smallest first; pairs of changes only when no single one does."""
+    search = _Search(profile, options, usable)
+    singles = _single_changes(profile, options)
+    checkpointing = [c for c in singles if "gradient_checkpointing" in c[1]]
+    others = [c for c in singles if "gradient_checkpointing" not in c[1]]
+    for change, patch in checkpointing:
+        search.attempt(change, patch)
+    search.smaller_batch({})
+    for change, patch in others:
+        search.attempt(change, patch)
+    search.more_processes({})
+    if not search.found:
+        for (change_a, patch_a), (change_b, patch_b) in itertools.combinations(singles, 2):
+            if not set(patch_a) & set(patch_b):
+                search.attempt(f"{change_a} {change_b}", {**patch_a, **patch_b})
+        for change, patch in singles:
+            search.smaller_batch(patch, change)
+            search.more_processes(patch, change)
+    return search.found[:MAX_SUGGESTIONS]

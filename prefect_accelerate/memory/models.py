@@ -1,0 +1,234 @@
+"""Pydantic models for `estimate-memory`: the options, what was measured, and what it means.
+
+No torch here: a `MemoryEstimate` carries a `ModelProfile` (plain numbers measured once on the meta
+device), so `check_fit` and the Prefect gate can explore other layouts without building the model again.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prefect_accelerate.memory.choices import (
+    DEFAULT_DTYPES,
+    DTYPES,
+    LIBRARIES,
+    MIXED_PRECISIONS,
+    OFFLOADS,
+    OPTIMIZERS,
+    STRATEGIES,
+)
+from prefect_accelerate.memory.units import accelerate_size, human_bytes
+
+Dtype = Literal[DTYPES]  # type: ignore[valid-type]
+Library = Literal[LIBRARIES]  # type: ignore[valid-type]
+Strategy = Literal[STRATEGIES]  # type: ignore[valid-type]
+Offload = Literal[OFFLOADS]  # type: ignore[valid-type]
+Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]
+MixedPrecision = Literal[MIXED_PRECISIONS]  # type: ignore[valid-type]
+SourceKind = Literal["local", "hf-cache", "hub", "timm"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EstimateOptions(_Frozen):
+    """Everything that changes an estimate besides the model itself.
+
+    ``strategy=None`` asks for Accelerate's table only; any strategy adds the per-device breakdown.
+    ``num_processes`` counts processes on all machines together, as `accelerate launch` does.
+    """
+
+    library_name: Library | None = None
+    dtypes: tuple[Dtype, ...] = DEFAULT_DTYPES
+    trust_remote_code: bool = False
+    model_class: str | None = None
+    strategy: Strategy | None = None
+    num_processes: int = Field(1, ge=1)
+    num_machines: int = Field(1, ge=1)
+    offload: Offload = "none"
+    optimizer: Optimizer = "adamw"
+    mixed_precision: MixedPrecision = "no"
+    gradient_checkpointing: bool = False
+    batch_size: int = Field(1, ge=1)
+    seq_len: int | None = Field(None, ge=1)
+    activations: bool = True
+
+
+class ModelSource(_Frozen):
+    """Where the model's description came from; nothing here needs torch."""
+
+    name: str
+    kind: SourceKind
+    library: Library
+    location: str
+    config_sha256: str
+    config: dict | None = Field(default=None, exclude=True, repr=False)
+
+    def describe(self) -> str:
+        where = {
+            "local": f"the folder {self.location}",
+            "hf-cache": f"the Hugging Face cache ({self.location})",
+            "hub": f"the Hugging Face Hub (config cached at {self.location})",
+            "timm": f"timm's registry (architecture `{self.location}`)",
+        }[self.kind]
+        return f"`{self.name}` from {where}, library {self.library}"
+
+
+class TableRow(_Frozen):
+    """One row of Accelerate's table; the numbers keep Accelerate's types (int for float32, float after a division)."""
+
+    dtype: Dtype
+    largest_layer_bytes: int | float
+    total_bytes: int | float
+    training_bytes: int | float | None = Field(description="Accelerate's 'Training using Adam' (max of model, gradients, optimizer, step); None prints N/A")
+    largest_layer: str
+    total: str
+    training: str
+
+    @classmethod
+    def build(cls, dtype: str, largest: int | float, total: int | float, training: int | float | None) -> TableRow:
+        return cls(
+            dtype=dtype, largest_layer_bytes=largest, total_bytes=total, training_bytes=training,
+            largest_layer=accelerate_size(largest), total=accelerate_size(total),
+            training=accelerate_size(training) if training is not None else "N/A",
+        )
+
+
+class AccelerateTable(_Frozen):
+    """What `accelerate estimate-memory` prints, with the same numbers."""
+
+    title: str
+    measured_class: str
+    largest_layer_names: list[str]
+    rows: list[TableRow]
+
+
+class ActivationProfile(_Frozen):
+    """Activation memory of one training step, measured by tracing forward on fake tensors.
+
+    Byte figures are for ``batch_size`` samples of ``seq_len`` tokens (or one image size); they scale
+    linearly with the batch. ``per_layer_bytes`` holds what each transformer block saves for backward.
+    """
+
+    method: Literal["traced", "not estimated"]
+    batch_size: int
+    seq_len: int | None = None
+    input_description: str
+    precision_mode: str
+    saved_bytes: int = 0
+    outside_layers_bytes: int = 0
+    per_layer_bytes: list[int] = Field(default_factory=list)
+    layer_input_bytes: int = 0
+    retained_output_bytes: int = 0
+    largest_tensor_bytes: int = 0
+    autocast_weight_copy_bytes: int = 0
+    note: str = ""
+
+
+class ModelProfile(_Frozen):
+    """Plain numbers about the model that will really be trained (its class with the head, ties counted once)."""
+
+    trained_class: str
+    parameters: int
+    trainable_parameters: int
+    buffer_bytes: int
+    largest_tensor_numel: int
+    small_tensor_numel: int = Field(description="parameters in tensors under 4096 elements (bitsandbytes keeps those in 32-bit)")
+    adafactor_state_numel: int = Field(description="elements of Adafactor's factored second moments")
+    largest_module_parameters: int = Field(description="DeepSpeed's 'largest layer': most parameters held directly by one module")
+    layer_class_names: list[str] = Field(default_factory=list)
+    layer_count: int = 0
+    largest_unit_parameters: int = Field(0, description="parameters of the biggest FSDP unit (one block)")
+    root_unit_parameters: int = Field(0, description="parameters outside every block (embeddings, head): FSDP's root unit")
+    hidden_size: int | None = None
+    activations: ActivationProfile | None = None
+
+
+class MemoryItem(_Frozen):
+    key: str
+    label: str
+    bytes: int
+    human: str
+    formula: str
+
+    @classmethod
+    def of(cls, key: str, label: str, value: float, formula: str) -> MemoryItem:
+        value = int(round(value))
+        return cls(key=key, label=label, bytes=value, human=human_bytes(value), formula=formula)
+
+
+class DeviceBreakdown(_Frozen):
+    """Per-device memory for one training layout, and what CPU offload needs on each machine."""
+
+    strategy: Strategy
+    world_size: int
+    num_machines: int
+    processes_per_machine: int
+    shard_factor: int
+    mixed_precision: MixedPrecision
+    optimizer: Optimizer
+    offload: Offload
+    gradient_checkpointing: bool
+    batch_size: int
+    seq_len: int | None
+    trained_class: str
+    parameters: int
+    device_items: list[MemoryItem]
+    device_total_bytes: int = Field(description="peak: resident items + max(activations + backward temporaries, gradients + step temporaries)")
+    device_total: str
+    all_items_bytes: int = Field(description="every item added up: an upper bound on the peak")
+    model_states_bytes: int = Field(description="parameters + gradients + optimizer states + gathered layers on one device")
+    cpu_items: list[MemoryItem]
+    cpu_per_machine_bytes: int
+    cpu_per_machine: str
+    activations_method: str
+    notes: list[str] = Field(default_factory=list)
+
+    def item(self, key: str) -> MemoryItem | None:
+        return next((i for i in self.device_items if i.key == key), None)
+
+
+class MemoryEstimate(_Frozen):
+    """The result of `estimate`: Accelerate's table, and the per-device breakdown when a strategy was given."""
+
+    model: str
+    source: ModelSource
+    options: EstimateOptions
+    table: AccelerateTable
+    profile: ModelProfile | None = None
+    breakdown: DeviceBreakdown | None = None
+    package_version: str
+
+
+class Suggestion(_Frozen):
+    change: str
+    options: EstimateOptions
+    device_total_bytes: int
+    device_total: str
+    fits: bool
+
+
+class FitVerdict(_Frozen):
+    """Whether one device holds the run, with headroom, and the smallest change that would make it fit."""
+
+    fits: bool
+    device_memory_bytes: int
+    device_memory: str
+    device_source: str
+    reserve_fraction: float
+    usable_bytes: int
+    required_bytes: int
+    required: str
+    headroom_bytes: int
+    headroom: str
+    headroom_fraction: float
+    counted: str
+    suggestions: list[Suggestion] = Field(default_factory=list)
+    message: str
+
+    @property
+    def best(self) -> Suggestion | None:
+        return self.suggestions[0] if self.suggestions else None

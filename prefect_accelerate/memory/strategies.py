@@ -1,0 +1,274 @@
+"""Per-device memory for each training layout: plain arithmetic over a `ModelProfile`.
+
+Every figure, with its formula, is in docs/memory.md. Symbols used in the formula strings:
+P parameters, S the shard factor (processes sharing one copy), L processes per machine, M machines,
+b the bytes of one weight as stored (2 in fp16/bf16 for DeepSpeed, else 4), c the bytes of one
+weight while computing (2 with mixed precision, else 4). The ZeRO model-state figures equal
+DeepSpeed's own estimators (estimate_zero2/zero3_model_states_mem_needs) for Adam with mixed
+precision; tests/memory/test_strategies.py checks that against DeepSpeed itself.
+"""
+
+from __future__ import annotations
+
+from prefect_accelerate.errors import UsageError
+from prefect_accelerate.memory.choices import DEEPSPEED_STRATEGIES, FSDP_STRATEGIES
+from prefect_accelerate.memory.models import (
+    ActivationProfile,
+    DeviceBreakdown,
+    EstimateOptions,
+    MemoryItem,
+    ModelProfile,
+)
+from prefect_accelerate.memory.units import human_bytes
+
+#: DeepSpeed's default `reduce_bucket_size` (elements); Accelerate keeps it unless a JSON config says "auto".
+DS_REDUCE_BUCKET = 500_000_000
+#: DeepSpeed's default ZeRO-3 `sub_group_size` (elements): the optimizer steps this much at a time.
+DS_SUB_GROUP = 1_000_000_000
+#: DeepSpeed's estimators budget 1.5x for CPU-side buffers; we use the same factor to agree with them.
+DS_CPU_BUFFER_FACTOR = 1.5
+#: bitsandbytes' blockwise 8-bit state: one byte per element plus one fp32 scale per 256 elements.
+BNB_BYTES_PER_STATE = 1 + 4 / 256
+
+
+def validate_layout(options: EstimateOptions) -> None:
+    """Refuse layouts that no launcher can run, with the reason (one paragraph each)."""
+    strategy, offload = options.strategy, options.offload
+    if options.num_processes % options.num_machines:
+        raise UsageError(
+            f"--num_processes {options.num_processes} is not a multiple of --num_machines {options.num_machines}. "
+            "As with `accelerate launch`, --num_processes counts the processes on all machines together."
+        )
+    if strategy == "ddp" and offload != "none":
+        raise UsageError(
+            f"--offload {offload} needs a sharded strategy: DDP keeps everything on the device. Use "
+            "--strategy zero2 or zero3 (DeepSpeed), or fsdp_full_shard with --offload optimizer+params."
+        )
+    if strategy in ("zero1", "zero2") and offload == "optimizer+params":
+        raise UsageError(
+            f"DeepSpeed offloads parameters only with ZeRO-3; --strategy {strategy} can offload the optimizer. "
+            "Use --strategy zero3 --offload optimizer+params, or --offload optimizer."
+        )
+    if strategy in FSDP_STRATEGIES and offload == "optimizer":
+        raise UsageError(
+            "FSDP offloads parameters, gradients and optimizer states together (`fsdp_offload_params`); it has no "
+            "optimizer-only offload. Use --offload optimizer+params, or a DeepSpeed strategy for --offload optimizer."
+        )
+
+
+def precision_mode(options: EstimateOptions) -> str:
+    """How weights and autocast look during forward for this layout (what the activation trace runs)."""
+    mp = options.mixed_precision
+    if mp == "no":
+        return "fp32"
+    if options.strategy in DEEPSPEED_STRATEGIES:
+        return mp  # DeepSpeed runs the module in 16-bit, without autocast
+    if options.strategy in FSDP_STRATEGIES:
+        return f"{mp}+autocast"  # FSDP gathers 16-bit weights; Accelerate also enables autocast
+    return f"autocast-{mp}"  # DDP: fp32 weights, autocast casts them per op
+
+
+def shard_factor(options: EstimateOptions) -> int:
+    if options.strategy == "ddp":
+        return 1
+    if options.strategy == "fsdp_hybrid_shard":
+        return options.num_processes // options.num_machines
+    return options.num_processes
+
+
+def _optimizer_state_bytes(profile: ModelProfile, optimizer: str, flat: bool) -> tuple[float, str]:
+    """Optimizer state for all trainable parameters (not yet divided by the shard factor)."""
+    p = profile.trainable_parameters
+    if optimizer in ("adam", "adamw"):
+        return 8 * p, "8 B/param (fp32 exp_avg + exp_avg_sq)"
+    if optimizer == "sgd":
+        return 4 * p, "4 B/param (momentum buffer)"
+    if optimizer == "adafactor":
+        if flat:
+            return 4 * p, "4 B/param (second moment; sharded flat tensors cannot be factored)"
+        return 4 * profile.adafactor_state_numel, "4 B x (rows + columns) per matrix (factored second moment)"
+    small = 0 if flat else profile.small_tensor_numel
+    return (2 * BNB_BYTES_PER_STATE * (p - small) + 8 * small,
+            "2 x (1 B + 4 B/256) per param (8-bit blockwise states), 8 B for tensors under 4096 elements")
+
+
+def _step_temporary(profile: ModelProfile, optimizer: str, local_params: float) -> tuple[float, str]:
+    if optimizer in ("adam", "adamw"):
+        return 4 * local_params, "torch's foreach Adam step: one fp32 temporary per local parameter"
+    if optimizer == "adafactor":
+        return 8 * profile.largest_tensor_numel, "Adafactor's per-tensor update: 2 fp32 copies of the largest tensor"
+    return 0, "updates in place"
+
+
+def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceBreakdown:
+    """The per-device (and per-machine CPU) memory of one layout. Pure arithmetic; no torch."""
+    if options.strategy is None:
+        raise UsageError("A per-device breakdown needs a strategy (ddp, zero1..zero3, fsdp_*).")
+    validate_layout(options)
+    strategy, offload = options.strategy, options.offload
+    n, m = options.num_processes, options.num_machines
+    per_machine = n // m
+    s = shard_factor(options)
+    mp = options.mixed_precision != "no"
+    p_all = profile.parameters
+    p = profile.trainable_parameters
+    c = 2 if mp else 4  # bytes of a weight while computing
+    notes: list[str] = []
+    device: list[MemoryItem] = []
+    cpu: list[MemoryItem] = []
+    is_ds = strategy in DEEPSPEED_STRATEGIES
+    is_fsdp = strategy in FSDP_STRATEGIES
+    opt_states, opt_formula = _optimizer_state_bytes(profile, options.optimizer, flat=strategy != "ddp")
+    acts = profile.activations
+
+    if strategy == "ddp":
+        device.append(MemoryItem.of("parameters", "Parameters", 4 * p_all + profile.buffer_bytes, "4 B x P fp32 weights (+ buffers)"))
+        device.append(MemoryItem.of("gradients", "Gradients", 4 * p, "4 B x P fp32"))
+        device.append(MemoryItem.of("optimizer_states", "Optimizer states", opt_states, opt_formula))
+        step_tmp, step_formula = _step_temporary(profile, options.optimizer, p)
+        comm = 4 * p if n > 1 else 0
+        comm_formula = "DDP gradient buckets: 4 B x P (gradient_as_bucket_view=False)" if n > 1 else ""
+        cpu.append(MemoryItem.of("model_loading", "Model loading", 4 * p_all * per_machine,
+                                 "each process builds the fp32 model on CPU first: 4 B x P x L"))
+    elif is_ds:
+        b = 2 if mp else 4
+        stage = int(strategy[-1])
+        master = 4 * p / s
+        if offload == "none":
+            if stage == 3:
+                device.append(MemoryItem.of("parameters", "Parameters", b * p_all / s + profile.buffer_bytes, f"{b} B x P / S (partitioned)"))
+                device.append(MemoryItem.of("gradients", "Gradients", 4 * p / s, "4 B x P / S fp32 gradient partition"))
+            else:
+                device.append(MemoryItem.of("parameters", "Parameters", b * p_all + profile.buffer_bytes, f"{b} B x P (every process keeps all weights)"))
+                grads = (b * p + 4 * p / s) if stage == 1 else (b + 4) * p / s
+                formula = f"{b} B x P + 4 B x P / S (full gradients, fp32 partition)" if stage == 1 else f"({b} + 4) B x P / S (partitioned)"
+                device.append(MemoryItem.of("gradients", "Gradients", grads, formula))
+            device.append(MemoryItem.of("optimizer_states", "Optimizer states", master + opt_states / s,
+                                        f"(4 B fp32 master + {opt_formula}) / S"))
+        else:
+            if stage == 3 and offload == "optimizer+params":
+                device.append(MemoryItem.of("parameters", "Parameters", profile.buffer_bytes, "offloaded to CPU (buffers stay)"))
+            elif stage == 3:
+                device.append(MemoryItem.of("parameters", "Parameters", b * p_all / s + profile.buffer_bytes, f"{b} B x P / S (partitioned)"))
+            else:
+                device.append(MemoryItem.of("parameters", "Parameters", b * p_all + profile.buffer_bytes, f"{b} B x P"))
+            device.append(MemoryItem.of("gradients", "Gradients", 0, "reduced in buckets and copied to CPU"))
+            device.append(MemoryItem.of("optimizer_states", "Optimizer states", 0, "offloaded to CPU"))
+        if stage == 3:
+            device.append(MemoryItem.of("gathered_layers", "Gathered layers", 2 * b * profile.largest_module_parameters,
+                                        f"2 x {b} B x the largest module's parameters (weights + gradients while gathered)"))
+        local = min(p / s, DS_SUB_GROUP) if stage == 3 else p / s  # ZeRO-3 steps one sub-group at a time
+        step_tmp, step_formula = (0, "optimizer runs on CPU") if offload != "none" else _step_temporary(profile, options.optimizer, local)
+        comm = b * min(DS_REDUCE_BUCKET, p)
+        comm_formula = f"ZeRO reduce bucket: {b} B x min(P, reduce_bucket_size=5e8)"
+        cpu.extend(_deepspeed_cpu(profile, stage, offload, per_machine, n, m))
+    else:  # FSDP
+        units = profile.largest_unit_parameters
+        root = profile.root_unit_parameters
+        if units == 0:
+            notes.append("No transformer block class is known for this model (no `_no_split_modules`), so FSDP wraps it as one unit.")
+        if offload == "none":
+            device.append(MemoryItem.of("parameters", "Parameters", 4 * p_all / s + profile.buffer_bytes, "4 B x P / S fp32 shards"))
+            device.append(MemoryItem.of("gradients", "Gradients", 4 * p / s, "4 B x P / S fp32 shards"))
+            device.append(MemoryItem.of("optimizer_states", "Optimizer states", opt_states / s, f"({opt_formula}) / S"))
+            step_tmp, step_formula = _step_temporary(profile, options.optimizer, p / s)
+        else:
+            device.append(MemoryItem.of("parameters", "Parameters", profile.buffer_bytes, "shards offloaded to CPU (buffers stay)"))
+            device.append(MemoryItem.of("gradients", "Gradients", 0, "shards offloaded to CPU"))
+            device.append(MemoryItem.of("optimizer_states", "Optimizer states", 0, "offloaded to CPU, step runs there"))
+            step_tmp, step_formula = 0, "optimizer runs on CPU"
+            cpu.append(MemoryItem.of("offloaded_states", "Offloaded shards", (8 * p + opt_states) * per_machine / s,
+                                     "(4 B params + 4 B grads + optimizer states) x P / S x L"))
+        if strategy == "fsdp_shard_grad_op":
+            gathered = c * p_all + c * max(units, root)
+            formula = f"{c} B x P (weights stay gathered from forward to backward) + {c} B x the largest unit's gradients"
+        else:
+            gathered = c * (root + 2 * units) + c * max(units, root)
+            formula = f"{c} B x (root unit + 2 x largest block: current + prefetched) + {c} B x the largest unit's gradients"
+        device.append(MemoryItem.of("gathered_layers", "Gathered layers", gathered, formula))
+        comm, comm_formula = 0, ""
+        cpu.append(MemoryItem.of("model_loading", "Model loading", 4 * p_all,
+                                 "rank 0 builds the fp32 model on CPU (cpu_ram_efficient_loading)"))
+
+    activation_item, backward, backward_formula, act_notes, method = _activation_items(acts, options, strategy == "ddp" and mp)
+    if strategy == "ddp" and method == "traced":
+        # the first gradients (head / embedding) appear while every activation is still alive
+        backward += 4 * profile.largest_tensor_numel
+        backward_formula += " + 4 B x the largest weight (its gradient comes first)"
+    notes.extend(act_notes)
+    device.append(activation_item)
+    device.append(MemoryItem.of("backward_temporaries", "Backward temporaries", backward, backward_formula))
+    device.append(MemoryItem.of("step_temporaries", "Optimizer step temporaries", step_tmp, step_formula))
+    device.append(MemoryItem.of("communication_buffers", "Communication buffers", comm, comm_formula or "none"))
+
+    by_key = {item.key: item.bytes for item in device}
+    resident = sum(by_key.get(k, 0) for k in ("parameters", "optimizer_states", "gathered_layers", "communication_buffers"))
+    forward_backward = by_key["activations"] + by_key["backward_temporaries"]
+    step = by_key["gradients"] + by_key["step_temporaries"]
+    total = resident + max(forward_backward, step)
+    states = sum(by_key.get(k, 0) for k in ("parameters", "gradients", "optimizer_states", "gathered_layers"))
+    cpu_total = sum(item.bytes for item in cpu)
+    if mp and not is_ds:
+        notes.append("Mixed precision here keeps fp32 weights as the master copy (no separate master weights).")
+    if is_ds and mp:
+        notes.append("DeepSpeed keeps 16-bit weights for compute and an fp32 master copy with the optimizer.")
+    if is_fsdp and options.num_machines == 1 and strategy == "fsdp_hybrid_shard":
+        notes.append("HYBRID_SHARD on one machine shards like FULL_SHARD.")
+    return DeviceBreakdown(
+        strategy=strategy, world_size=n, num_machines=m, processes_per_machine=per_machine, shard_factor=s,
+        mixed_precision=options.mixed_precision, optimizer=options.optimizer, offload=offload,
+        gradient_checkpointing=options.gradient_checkpointing,
+        batch_size=options.batch_size, seq_len=acts.seq_len if acts else options.seq_len,
+        trained_class=profile.trained_class, parameters=p_all,
+        device_items=device, device_total_bytes=total, device_total=human_bytes(total),
+        all_items_bytes=sum(by_key.values()),
+        model_states_bytes=states,
+        cpu_items=cpu, cpu_per_machine_bytes=cpu_total, cpu_per_machine=human_bytes(cpu_total),
+        activations_method=method, notes=notes,
+    )
+
+
+def _deepspeed_cpu(profile: ModelProfile, stage: int, offload: str, per_machine: int, n: int, m: int) -> list[MemoryItem]:
+    """DeepSpeed's own CPU budget per machine (its estimators, zero_init=True for ZeRO-3)."""
+    p = profile.trainable_parameters
+    f = DS_CPU_BUFFER_FACTOR
+    if stage in (1, 2):
+        if offload == "none":
+            return [MemoryItem.of("model_loading", "Model loading", 4 * p * per_machine * f,
+                                  "4 B x P x L x 1.5 (each process loads the fp32 model; DeepSpeed's estimator)")]
+        return [MemoryItem.of("offloaded_states", "Offloaded optimizer", p * max(4 * n, 16) * f,
+                              "P x max(4 x processes, 16) x 1.5 (DeepSpeed's estimator)")]
+    if offload == "none":
+        return [MemoryItem.of("model_loading", "Model loading", 4 * profile.largest_module_parameters * per_machine * f,
+                              "4 B x largest module x L x 1.5 (zero.Init builds layer by layer; DeepSpeed's estimator)")]
+    per_param = 18 if offload == "optimizer+params" else 16
+    return [MemoryItem.of("offloaded_states", "Offloaded states", p * per_param / m * f,
+                          f"{per_param} B x P / M x 1.5 (DeepSpeed's estimator)")]
+
+
+def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
+                      keeps_casts: bool) -> tuple[MemoryItem, int, str, list[str], str]:
+    """Activations for this batch, and the backward temporaries (plus DDP's autocast weight copies)."""
+    if acts is None or acts.method != "traced":
+        note = acts.note if acts is not None and acts.note else "Activations are not counted (no trace was run)."
+        return MemoryItem.of("activations", "Activations", 0, "not estimated"), 0, "not estimated", [note], "not estimated"
+    scale = options.batch_size / acts.batch_size
+    notes = [acts.note] if acts.note else []
+    if options.gradient_checkpointing and acts.per_layer_bytes:
+        kept = acts.outside_layers_bytes + acts.layer_input_bytes + max(acts.per_layer_bytes) + acts.retained_output_bytes
+        formula = (f"traced for {acts.input_description}, checkpointed: outside the blocks + {len(acts.per_layer_bytes)} "
+                   "block inputs + one block recomputed + outputs")
+    else:
+        kept = acts.saved_bytes + acts.retained_output_bytes
+        formula = f"traced for {acts.input_description}: tensors saved for backward + outputs"
+        if options.gradient_checkpointing:
+            notes.append("Gradient checkpointing is not modelled for this model (no checkpointable blocks found); "
+                         "activations are counted in full.")
+    if scale != 1:
+        formula += f", scaled x{scale:g} to batch {options.batch_size}"
+    backward = 2 * acts.largest_tensor_bytes * scale
+    backward_formula = "2 x the largest activation (its gradient and the next one)"
+    if keeps_casts and acts.autocast_weight_copy_bytes:
+        backward += acts.autocast_weight_copy_bytes
+        backward_formula += f" + autocast's 16-bit weight copies kept for backward ({human_bytes(acts.autocast_weight_copy_bytes)})"
+    return MemoryItem.of("activations", "Activations", kept * scale, formula), int(backward), backward_formula, notes, "traced"
