@@ -122,9 +122,14 @@ class Migration(BaseModel):
     #: top-level keys a migration step added, removed or rewrote
     touched: set[str] = Field(default_factory=set)
 
-    def note(self, text: str, *keys: str) -> None:
+    #: the changes that replaced keys of an older format (not just defaults filled in)
+    legacy_changes: list[str] = Field(default_factory=list)
+
+    def note(self, text: str, *keys: str, legacy: bool = False) -> None:
         self.changes.append(text)
         self.touched.update(keys)
+        if legacy:
+            self.legacy_changes.append(text)
 
 
 def migrate(raw: dict[str, Any], path: Path, *, drop_removed: bool = False) -> tuple[dict[str, Any], Migration]:
@@ -148,18 +153,18 @@ def migrate(raw: dict[str, Any], path: Path, *, drop_removed: bool = False) -> t
         legacy = data.get("fp16")
         data["mixed_precision"] = "fp16" if legacy else None
         if legacy:
-            migration.note("fp16: true became mixed_precision: fp16", "mixed_precision")
+            migration.note("fp16: true became mixed_precision: fp16", "mixed_precision", legacy=True)
     if "fp16" in data:
         del data["fp16"]
-        migration.note("removed the legacy key fp16 (replaced by mixed_precision)", "fp16")
+        migration.note("removed the legacy key fp16 (replaced by mixed_precision)", "fp16", legacy=True)
     if "dynamo_backend" in data:
         backend = data.pop("dynamo_backend")
         if str(backend).upper() == "NO":
             data["dynamo_config"] = {}
-            migration.note("dynamo_backend: NO became an empty dynamo_config", "dynamo_backend", "dynamo_config")
+            migration.note("dynamo_backend: NO became an empty dynamo_config", "dynamo_backend", "dynamo_config", legacy=True)
         else:
             data["dynamo_config"] = {"dynamo_backend": backend}
-            migration.note(f"dynamo_backend: {backend} became dynamo_config.dynamo_backend", "dynamo_backend", "dynamo_config")
+            migration.note(f"dynamo_backend: {backend} became dynamo_config.dynamo_backend", "dynamo_backend", "dynamo_config", legacy=True)
     for name in ("use_cpu", "debug", "enable_cpu_affinity"):
         if name not in data:
             data[name] = False
@@ -167,7 +172,7 @@ def migrate(raw: dict[str, Any], path: Path, *, drop_removed: bool = False) -> t
         for name, why in REMOVED_KEYS.items():
             if name in data:
                 del data[name]
-                migration.note(f"removed {name} ({why})", name)
+                migration.note(f"removed {name} ({why})", name, legacy=True)
     return data, migration
 
 

@@ -173,7 +173,7 @@ def resolve_launch_options(
         extra.update(config_path=str(loaded.path), config_source=loaded.location.source)
         if loaded.location.source != "passed":
             notes.append(loaded.location.describe())
-        for change in loaded.migration.changes:
+        for change in loaded.migration.legacy_changes:
             notes.append(f"The config file uses an older format (migrated in memory: {change}); run `prefect-accelerate config update` to save it.")
     elif a["cpu"] and a.get("config_file") is None and find_default_config() is not None:
         notes.append("The default config file was not read because --cpu was given (as in Accelerate).")

@@ -51,7 +51,7 @@ def load_config(config_file: str | Path | None = None) -> LoadedConfig:
     assert loaded is not None  # required=True raises instead
     logger = get_run_logger()
     logger.info(loaded.location.describe())
-    for change in loaded.migration.changes:
+    for change in loaded.migration.legacy_changes:
         logger.warning("Old config format, migrated in memory: %s (run `prefect-accelerate config update` to save it)", change)
     return loaded
 
