@@ -228,9 +228,10 @@ def main() -> int:
     broken = os.environ.get("SELFTEST_BREAK", "")
     for name, check in CHECKS:
         try:
-            if broken == f"{rank}:{name}":
+            detail = check()
+            if broken == f"{rank}:{name}":  # after the check, so its collectives still line up
                 raise AssertionError("broken on purpose by SELFTEST_BREAK")
-            outcome = (True, check())
+            outcome = (True, detail)
         except Exception as error:
             reason = str(error) or type(error).__name__
             if not isinstance(error, AssertionError):
