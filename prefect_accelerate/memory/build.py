@@ -111,7 +111,7 @@ def load_transformers_config(source: ModelSource, trust_remote_code: bool) -> An
                 "with `--trust_remote_code`. Read that code first, then pass `--trust_remote_code` (Python: "
                 "EstimateOptions(trust_remote_code=True))."
             ) from None
-        if "Unrecognized model" in text or "model_type" in text:
+        if "Unrecognized model" in text or "model_type" in text or "model type" in text:
             model_type = (source.config or {}).get("model_type")
             raise EstimateError(
                 f"transformers {transformers.__version__} does not know the model type "

@@ -1,0 +1,120 @@
+"""Activations traced on fake tensors: what they cover, shallow traces, and a check against real training."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefect_accelerate.errors import EstimateError
+from prefect_accelerate.memory import EstimateOptions, estimate
+from prefect_accelerate.memory.activations import shallow_config, trace_activations
+from prefect_accelerate.memory.build import build_trained_model, load_transformers_config, to_fake
+from prefect_accelerate.memory.resolve import resolve_model
+
+
+def traced(folder, **options):
+    result = estimate(str(folder), EstimateOptions(dtypes=("float32",), strategy=options.pop("strategy", "ddp"), **options))
+    return result.profile.activations, result.breakdown
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt2", "tiny-llama", "tiny-bert", "tiny-t5", "tiny-mixtral", "vit", "timm-resnet50"])
+def test_every_kind_of_model_is_traced(zoo, name):
+    acts, breakdown = traced(zoo[name], seq_len=32 if name.startswith("tiny") else None)
+    assert acts.method == "traced", acts.note
+    assert acts.saved_bytes > 0
+    assert breakdown.item("activations").bytes == acts.saved_bytes + acts.retained_output_bytes
+
+
+def test_shallow_trace_of_identical_blocks_matches_the_full_trace(zoo):
+    source = resolve_model(str(zoo["tiny-llama"]))
+    config = load_transformers_config(source, False)
+    shallow, depth = shallow_config(config)
+    assert (shallow.num_hidden_layers, depth) == (2, 10)
+    full, _ = build_trained_model(source, False, None)
+    short, _ = build_trained_model(source, False, None, config=shallow)
+    whole = trace_activations(to_fake(full), library="transformers", batch_size=2, seq_len=48, precision_mode="fp32")
+    extrapolated = trace_activations(to_fake(short), library="transformers", batch_size=2, seq_len=48, precision_mode="fp32",
+                                     full_depth=depth)
+    assert len(extrapolated.per_layer_bytes) == len(whole.per_layer_bytes) == 10
+    for field in ("saved_bytes", "outside_layers_bytes", "per_layer_bytes", "layer_input_bytes", "retained_output_bytes",
+                  "largest_tensor_bytes"):
+        assert getattr(extrapolated, field) == getattr(whole, field), field
+
+
+def test_configs_with_per_block_settings_are_traced_in_full(zoo):
+    config = load_transformers_config(resolve_model(str(zoo["tiny-llama"])), False)
+    config.layer_types = ["sliding_attention", "full_attention"] * 5
+    assert shallow_config(config) is None
+
+
+def test_gradient_checkpointing_keeps_block_inputs_and_one_block(zoo):
+    plain, full = traced(zoo["tiny-llama"], seq_len=64, batch_size=4)
+    _, checkpointed = traced(zoo["tiny-llama"], seq_len=64, batch_size=4, gradient_checkpointing=True)
+    expected = plain.outside_layers_bytes + plain.layer_input_bytes + max(plain.per_layer_bytes) + plain.retained_output_bytes
+    assert checkpointed.item("activations").bytes == expected
+    assert expected < full.item("activations").bytes
+
+
+def test_activations_grow_with_the_batch(zoo):
+    one, _ = traced(zoo["tiny-gpt2"], seq_len=32, batch_size=1)
+    four, _ = traced(zoo["tiny-gpt2"], seq_len=32, batch_size=4)
+    assert 3.5 * one.saved_bytes < four.saved_bytes <= 4 * one.saved_bytes
+
+
+def test_ddp_autocast_weight_copies_are_counted_apart(zoo):
+    acts, ddp = traced(zoo["tiny-gpt2"], seq_len=32, mixed_precision="bf16")
+    assert acts.precision_mode == "autocast-bf16"
+    assert acts.autocast_weight_copy_bytes > 0
+    assert "autocast" in ddp.item("backward_temporaries").formula
+    zero_acts, zero = traced(zoo["tiny-gpt2"], seq_len=32, mixed_precision="bf16", strategy="zero2", num_processes=2)
+    assert zero_acts.precision_mode == "bf16" and zero_acts.autocast_weight_copy_bytes == 0
+    assert zero.item("activations").bytes < traced(zoo["tiny-gpt2"], seq_len=32)[1].item("activations").bytes
+
+
+def test_seq_len_past_learned_positions_is_refused(zoo):
+    with pytest.raises(EstimateError, match="--seq_len 128 is longer than GPT2LMHeadModel can take.*64 tokens"):
+        traced(zoo["tiny-gpt2"], seq_len=128)
+
+
+def test_default_seq_len_is_the_models_maximum_capped(zoo):
+    acts, _ = traced(zoo["tiny-gpt2"])
+    assert acts.seq_len == 64
+
+
+def test_untraceable_model_is_reported_not_guessed(zoo, monkeypatch):
+    import transformers
+
+    def data_dependent(self, *args, **kwargs):
+        raise RuntimeError("data-dependent control flow")
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "forward", data_dependent)
+    acts, breakdown = traced(zoo["tiny-gpt2"], seq_len=16)
+    assert acts.method == "not estimated"
+    assert breakdown.activations_method == "not estimated"
+    assert any("does not run on fake tensors" in note for note in breakdown.notes)
+
+
+@pytest.mark.slow
+def test_estimate_is_within_15_percent_of_real_cpu_training(zoo):
+    """The bench's measurement in small: peak live tensors of real AdamW steps (MemTracker) vs the estimate."""
+    import torch
+    import transformers
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.from_pretrained(zoo["tiny-llama"])
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=True)
+    ids = torch.randint(1, config.vocab_size, (4, 128))
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        for step in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                tracker.reset_mod_stats()
+    peak = tracker.get_tracker_snapshot("peak")
+    measured = next(iter(peak.values()))["Total"]
+    _, breakdown = traced(zoo["tiny-llama"], seq_len=128, batch_size=4)
+    assert 0.85 < breakdown.device_total_bytes / measured < 1.15

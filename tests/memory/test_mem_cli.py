@@ -1,0 +1,117 @@
+"""`prefect-accelerate estimate-memory` end to end (untracked): output, flags, JSON, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prefect_accelerate.cli import main as cli_main
+from prefect_accelerate.cli.parser import Parser
+
+MODULE = "prefect_accelerate.cli.estimate_cmd"
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    """Call the real `main` with our module registered (COMMAND_MODULES gains it when the command ships)."""
+    if MODULE not in cli_main.COMMAND_MODULES:
+        monkeypatch.setattr(cli_main, "COMMAND_MODULES", (*cli_main.COMMAND_MODULES, MODULE))
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = cli_main.main(["estimate-memory", *map(str, argv)])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def parse(*argv: str):
+    from prefect_accelerate.cli import estimate_cmd
+
+    parser = Parser(prog="prefect-accelerate")
+    estimate_cmd.add_parser(parser.add_subparsers(parser_class=Parser))
+    return parser.parse_args(["estimate-memory", *argv])
+
+
+def test_table_mode_prints_accelerates_output(run_cli, zoo):
+    from prefect_accelerate.memory import EstimateOptions, estimate, render_text
+
+    code, out, err = run_cli(zoo["tiny-gpt2"], "--dtypes", "float32", "int4")
+    assert code == 0
+    assert out.rstrip("\n") == render_text(estimate(str(zoo["tiny-gpt2"]), EstimateOptions(dtypes=("float32", "int4"))))
+    assert out.startswith(f"Loading pretrained config for `{zoo['tiny-gpt2']}` from `transformers`...\n┌")
+    assert "Per-device" not in out
+
+
+def test_hyphen_spellings_and_defaults():
+    args = parse("m", "--library-name", "timm", "--num-processes", "8", "--mixed-precision", "bf16", "--trust-remote-code")
+    assert (args.library_name, args.num_processes, args.mixed_precision, args.trust_remote_code) == ("timm", 8, "bf16", True)
+    assert parse("m").dtypes == ["float32", "float16", "int8", "int4"]
+
+
+def test_layout_flag_turns_on_the_breakdown_with_ddp_by_default():
+    from prefect_accelerate.cli.estimate_cmd import options_from_args
+
+    assert options_from_args(parse("m")).strategy is None
+    assert options_from_args(parse("m", "--batch_size", "4")).strategy == "ddp"
+    assert options_from_args(parse("m", "--strategy", "zero3")).strategy == "zero3"
+
+
+def test_breakdown_and_fit_verdict(run_cli, zoo):
+    code, out, _ = run_cli(zoo["tiny-llama"], "--strategy", "zero3", "--num_processes", "2", "--mixed_precision", "bf16",
+                           "--seq_len", "64", "--device_memory", "80GiB")
+    assert code == 0
+    assert "Per-device memory for training `LlamaForCausalLM`" in out
+    assert "Total per device" in out and "CPU memory per machine" in out
+    assert "Fits:" in out
+
+
+def test_not_fitting_exits_1_with_the_smallest_change(run_cli, zoo):
+    code, out, _ = run_cli(zoo["tiny-llama"], "--batch_size", "64", "--seq_len", "256", "--device_memory", "500MiB")
+    assert code == 1
+    assert "Does not fit" in out and "Smallest change that fits: --gradient_checkpointing" in out
+
+
+def test_json_output_is_data(run_cli, zoo):
+    code, out, _ = run_cli(zoo["tiny-gpt2"], "--json", "--strategy", "zero2", "--num_processes", "2", "--device_memory", "8GiB")
+    payload = json.loads(out)
+    assert code == 0
+    assert payload["estimate"]["table"]["rows"][0]["dtype"] == "float32"
+    assert payload["estimate"]["breakdown"]["strategy"] == "zero2"
+    assert payload["verdict"]["fits"] is True
+    assert "config" not in payload["estimate"]["source"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["{missing}"], "looks like a path"),
+    (["{empty}"], "has no config.json"),
+    (["{model}", "--num_processes", "0"], "--num_processes must be at least 1"),
+    (["{model}", "--strategy", "ddp", "--offload", "optimizer"], "needs a sharded strategy"),
+])
+def test_errors_exit_2_with_one_paragraph_and_no_traceback(run_cli, zoo, tmp_path, argv, message):
+    values = {"missing": tmp_path / "missing", "empty": tmp_path, "model": zoo["tiny-gpt2"]}
+    code, out, err = run_cli(*[a.format(**values) for a in argv])
+    assert code == 2
+    assert err.startswith("error: ") and message in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_unknown_dtype_is_refused_by_the_parser():
+    with pytest.raises(SystemExit) as exit_info:
+        parse("m", "--dtypes", "float8")
+    assert exit_info.value.code == 2
+
+
+def test_help_imports_neither_torch_nor_prefect():
+    code = (
+        "import sys\n"
+        "from prefect_accelerate.cli.parser import Parser\n"
+        "from prefect_accelerate.cli import estimate_cmd\n"
+        "p = Parser(prog='x'); estimate_cmd.add_parser(p.add_subparsers(parser_class=Parser)); p.format_help()\n"
+        "heavy = [m for m in ('torch', 'prefect', 'transformers', 'timm', 'pydantic') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

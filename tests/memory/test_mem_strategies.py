@@ -1,0 +1,147 @@
+"""Per-strategy arithmetic: ZeRO figures against DeepSpeed's own estimators, layouts that cannot run, invariants."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefect_accelerate.errors import UsageError
+from prefect_accelerate.memory import EstimateOptions, estimate
+from prefect_accelerate.memory.models import ActivationProfile, ModelProfile
+from prefect_accelerate.memory.strategies import device_breakdown
+
+
+def profile(parameters: int = 7_000_000_000, largest: int = 500_000_000, **extra) -> ModelProfile:
+    values = {
+        "trained_class": "Synthetic", "parameters": parameters, "trainable_parameters": parameters, "buffer_bytes": 0,
+        "largest_tensor_numel": largest, "small_tensor_numel": 0, "adafactor_state_numel": parameters // 100,
+        "largest_module_parameters": largest, "layer_class_names": ["Block"], "layer_count": 32,
+        "largest_unit_parameters": parameters // 40, "root_unit_parameters": parameters // 5,
+    }
+    values.update(extra)
+    return ModelProfile(**values)
+
+
+def layout(strategy: str, per_node: int, nodes: int, offload: str = "none", **extra) -> EstimateOptions:
+    return EstimateOptions(strategy=strategy, num_processes=per_node * nodes, num_machines=nodes, offload=offload,
+                           mixed_precision=extra.pop("mixed_precision", "bf16"), **extra)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_estimators():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
+
+
+SETUPS = [(7_000_000_000, 500_000_000, 8, 2), (124_439_808, 38_597_376, 4, 1), (70_553_706_496, 1_050_673_152, 8, 4),
+          (1_000_003, 4_096, 3, 1), (46_702_792_704, 1_409_286_144, 16, 1)]
+
+
+@pytest.mark.parametrize("parameters,largest,per_node,nodes", SETUPS)
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_zero2_model_states_agree_with_deepspeed(deepspeed_estimators, parameters, largest, per_node, nodes, offload):
+    zero2, _ = deepspeed_estimators
+    cpu, gpu = zero2(parameters, per_node, nodes, cpu_offload=offload != "none")
+    ours = device_breakdown(profile(parameters, largest), layout("zero2", per_node, nodes, offload))
+    assert abs(ours.model_states_bytes - gpu) <= 3  # each of our items is rounded to a byte
+    assert abs(ours.cpu_per_machine_bytes - cpu) <= 1
+
+
+@pytest.mark.parametrize("parameters,largest,per_node,nodes", SETUPS)
+@pytest.mark.parametrize("offload", ["none", "optimizer", "optimizer+params"])
+def test_zero3_model_states_agree_with_deepspeed(deepspeed_estimators, parameters, largest, per_node, nodes, offload):
+    _, zero3 = deepspeed_estimators
+    cpu, gpu, _ = zero3(parameters, largest, per_node, nodes, cpu_offload=offload != "none",
+                        cpu_offload_params=offload == "optimizer+params", zero_init=True)
+    ours = device_breakdown(profile(parameters, largest), layout("zero3", per_node, nodes, offload))
+    assert abs(ours.model_states_bytes - gpu) <= 3
+    assert abs(ours.cpu_per_machine_bytes - cpu) <= 1
+
+
+def test_zero_figures_for_a_real_model_agree_with_deepspeed(deepspeed_estimators, zoo):
+    zero2, zero3 = deepspeed_estimators
+    for strategy in ("zero2", "zero3"):
+        result = estimate(str(zoo["gpt2"]), layout(strategy, 8, 1, activations=False, dtypes=("float32",)))
+        p, largest = result.profile.parameters, result.profile.largest_module_parameters
+        assert largest == 50257 * 768  # the tied embedding / head, DeepSpeed's "largest layer"
+        gpu = zero2(p, 8, 1, cpu_offload=False)[1] if strategy == "zero2" else zero3(p, largest, 8, 1, cpu_offload=False, cpu_offload_params=False)[1]
+        assert abs(result.breakdown.model_states_bytes - result.profile.buffer_bytes - gpu) <= 3
+
+
+def test_ddp_keeps_sixteen_bytes_per_parameter_for_adamw_in_fp32():
+    b = device_breakdown(profile(1_000_000, 1000), EstimateOptions(strategy="ddp"))
+    assert b.model_states_bytes == 16 * 1_000_000
+    assert b.item("communication_buffers").bytes == 0  # one process: no DDP wrapper, no buckets
+    assert device_breakdown(profile(1_000_000, 1000), EstimateOptions(strategy="ddp", num_processes=2)).item("communication_buffers").bytes == 4_000_000
+
+
+def test_optimizer_states_per_optimizer():
+    p = profile(1_000_000, 1000, small_tensor_numel=10_000, adafactor_state_numel=20_000)
+    states = {opt: device_breakdown(p, EstimateOptions(strategy="ddp", optimizer=opt)).item("optimizer_states").bytes
+              for opt in ("adamw", "adam", "sgd", "adafactor", "adamw_8bit")}
+    assert states["adamw"] == states["adam"] == 8_000_000
+    assert states["sgd"] == 4_000_000
+    assert states["adafactor"] == 80_000
+    assert states["adamw_8bit"] == round(2 * (1 + 4 / 256) * 990_000 + 8 * 10_000)
+
+
+def test_fsdp_full_shard_gathers_root_and_two_blocks():
+    p = profile(1_000_000, 1000, largest_unit_parameters=50_000, root_unit_parameters=200_000)
+    b = device_breakdown(p, layout("fsdp_full_shard", 4, 1))
+    assert b.item("parameters").bytes == 4 * 1_000_000 / 4
+    assert b.item("gathered_layers").bytes == 2 * (200_000 + 2 * 50_000) + 2 * 200_000
+    grad_op = device_breakdown(p, layout("fsdp_shard_grad_op", 4, 1))
+    assert grad_op.item("gathered_layers").bytes == 2 * 1_000_000 + 2 * 200_000
+
+
+def test_hybrid_shard_shards_within_a_machine():
+    b = device_breakdown(profile(), layout("fsdp_hybrid_shard", 8, 4))
+    assert (b.shard_factor, b.world_size) == (8, 32)
+    assert b.item("optimizer_states").bytes == device_breakdown(profile(), layout("fsdp_full_shard", 8, 1)).item("optimizer_states").bytes
+
+
+@pytest.mark.parametrize("strategy,offload,message", [
+    ("ddp", "optimizer", "needs a sharded strategy"),
+    ("zero2", "optimizer+params", "only with ZeRO-3"),
+    ("fsdp_full_shard", "optimizer", "no optimizer-only offload"),
+])
+def test_layouts_that_cannot_run_are_refused(strategy, offload, message):
+    with pytest.raises(UsageError, match=message):
+        device_breakdown(profile(), EstimateOptions(strategy=strategy, offload=offload, num_processes=2))
+
+
+def test_processes_must_divide_into_machines():
+    with pytest.raises(UsageError, match="not a multiple of --num_machines"):
+        device_breakdown(profile(), EstimateOptions(strategy="zero3", num_processes=5, num_machines=2))
+
+
+def test_peak_takes_the_larger_of_backward_and_optimizer_step():
+    acts = ActivationProfile(method="traced", batch_size=1, input_description="x", precision_mode="fp32",
+                             saved_bytes=10_000_000, largest_tensor_bytes=1_000)
+    b = device_breakdown(profile(1_000_000, 1000, activations=acts), EstimateOptions(strategy="ddp"))
+    by = {item.key: item.bytes for item in b.device_items}
+    resident = by["parameters"] + by["optimizer_states"]
+    assert b.device_total_bytes == resident + max(by["activations"] + by["backward_temporaries"], by["gradients"] + by["step_temporaries"])
+    assert b.all_items_bytes == sum(by.values()) >= b.device_total_bytes
+
+
+@settings(max_examples=60, deadline=None)
+@given(parameters=st.integers(10_000, 10**11), per_node=st.integers(1, 16), nodes=st.integers(1, 8),
+       strategy=st.sampled_from(["zero1", "zero2", "zero3", "fsdp_full_shard", "fsdp_shard_grad_op", "fsdp_hybrid_shard"]))
+def test_more_processes_never_need_more_memory_per_device(parameters, per_node, nodes, strategy):
+    p = profile(parameters, parameters // 50, largest_unit_parameters=parameters // 40, root_unit_parameters=parameters // 10)
+    fewer = device_breakdown(p, layout(strategy, per_node, nodes))
+    more = device_breakdown(p, layout(strategy, per_node + 1, nodes))
+    assert more.device_total_bytes <= fewer.device_total_bytes
+
+
+@settings(max_examples=40, deadline=None)
+@given(parameters=st.integers(10_000, 10**11), per_node=st.integers(2, 16), stage=st.sampled_from(["zero2", "zero3"]))
+def test_offloading_never_needs_more_device_memory(parameters, per_node, stage):
+    p = profile(parameters, parameters // 50)
+    assert (device_breakdown(p, layout(stage, per_node, 1, "optimizer")).device_total_bytes
+            <= device_breakdown(p, layout(stage, per_node, 1)).device_total_bytes)
