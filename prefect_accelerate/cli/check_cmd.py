@@ -39,7 +39,6 @@ def run(args: argparse.Namespace) -> int:
         if config_missing(config_file) and not args.no_create:
             created = write_default_config(config_file, args.mixed_precision)
             print(created.message())
-            config_file = str(created.path)
         loaded = load_config_file(config_file)
         report = collect_env_report(str(loaded.path) if loaded.location.source == "passed" else None)
     print(render_text(report))

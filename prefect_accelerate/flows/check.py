@@ -35,7 +35,6 @@ def check_environment(config_file: str | None = None, create_if_missing: bool = 
     if config_missing(config_file) and create_if_missing:
         created = config_default(config_file, mixed_precision)
         logger.info(created.message())
-        config_file = str(created.path)
     loaded = load_config(config_file)
     # keep "default" vs "passed" in the report: pass the path only when the user named it
     return env_report(str(loaded.path) if loaded.location.source == "passed" else None)
