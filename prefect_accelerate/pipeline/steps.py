@@ -1,0 +1,129 @@
+"""The preflight steps as plain functions (no Prefect): the tasks wrap them, benches call them directly.
+
+Each step returns a pydantic result or raises PreflightError whose message names the step and the fix.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from prefect_accelerate.errors import PreflightError, PrefectAccelerateError
+from prefect_accelerate.pipeline.graph import estimate_options, launch_options
+from prefect_accelerate.pipeline.models import PipelineRequest
+
+
+class ConfigCheck(BaseModel):
+    """What the config step found: the file, how it was read, and the launch it leads to."""
+
+    config_path: str | None
+    config_source: str | None
+    distributed_type: str | None
+    launcher: str
+    num_processes: int
+    num_machines: int
+    mixed_precision: str
+    notes: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+
+
+def config_step(request: PipelineRequest) -> ConfigCheck:
+    """Load (migrating an old format in memory) and validate the config together with the launch flags."""
+    from prefect_accelerate.launchers import choose_launcher, plan_launch
+
+    options = launch_options(request)
+    plan = plan_launch(options, cwd=request.cwd)
+    return ConfigCheck(
+        config_path=options.config_path, config_source=options.config_source, distributed_type=options.distributed_type,
+        launcher=choose_launcher(options), num_processes=int(options.num_processes), num_machines=int(options.num_machines),
+        mixed_precision=str(options.mixed_precision), notes=list(plan.notes), warnings=list(plan.warnings),
+    )
+
+
+def env_step():
+    from prefect_accelerate.envreport.probe import collect_env_report
+
+    return collect_env_report(None, check_imports=True)
+
+
+def memory_step(request: PipelineRequest):
+    from prefect_accelerate.memory.core import estimate
+
+    return estimate(request.model, estimate_options(request, launch_options(request)))
+
+
+def device_memory_for(request: PipelineRequest, estimate) -> tuple[int | str, str]:
+    """One device's memory: given, else the smallest CUDA device, else this machine's RAM per local process."""
+    if request.memory.device_memory:
+        return request.memory.device_memory, "given"
+    from prefect_accelerate.launchers.host import local_host
+
+    if local_host().accelerator_kind() == "cuda":
+        from prefect_accelerate.memory.fit import detect_device_memory
+
+        return detect_device_memory()
+    import psutil
+
+    per_node = max(estimate.options.num_processes // estimate.options.num_machines, 1)
+    total = psutil.virtual_memory().total
+    return total // per_node, f"CPU training: system RAM shared by {per_node} process(es) on this machine"
+
+
+def memory_fit_step(request: PipelineRequest, estimate):
+    from prefect_accelerate.memory.fit import check_fit
+
+    memory, source = device_memory_for(request, estimate)
+    verdict = check_fit(estimate, memory)
+    if not verdict.fits:
+        best = f" Smallest change that fits: {verdict.best.change}." if verdict.best else ""
+        raise PreflightError(f"The run would not fit in memory ({source}): {verdict.message}{best}")
+    return verdict
+
+
+def deepspeed_step(request: PipelineRequest, estimate=None):
+    from prefect_accelerate.launchers.deepspeed_check import check_deepspeed, settings_from_options
+
+    options = launch_options(request)
+    settings = settings_from_options(options, cwd=request.cwd)
+    per_node = max(int(options.num_processes) // int(options.num_machines), 1)
+    params = {}
+    if estimate is not None and estimate.profile is not None:
+        params = {"total_params": estimate.profile.parameters, "largest_layer_params": estimate.profile.largest_module_parameters}
+    check = check_deepspeed(
+        zero_stage=int(settings.get("zero_stage") or 0), gpus_per_node=per_node, num_nodes=int(options.num_machines),
+        offload_optimizer_device=settings.get("offload_optimizer_device"), offload_param_device=settings.get("offload_param_device"),
+        **params,
+    )
+    if not check.ok:
+        raise PreflightError("The DeepSpeed check failed: " + " ".join(check.problems))
+    return check
+
+
+def install_test_step(request: PipelineRequest, timeout: float = 600.0, on_line=None):
+    """The self-test through the same launcher, config and flags the training launch will use."""
+    from prefect_accelerate.launchers import plan_launch
+    from prefect_accelerate.launchers.execute import execute
+    from prefect_accelerate.selftest import parse_selftest_output, selftest_options
+
+    flags = {k: v for k, v in request.launch_flags.items() if k not in ("module", "no_python")}
+    options = selftest_options(request.config_file, **flags)
+    plan = plan_launch(options, cwd=request.cwd)
+    lines: list[str] = []
+
+    def keep(label: str, line: str) -> None:
+        lines.append(line)
+        if on_line is not None:
+            on_line(label, line)
+
+    result = execute(plan, on_line=keep, timeout=timeout)
+    report = parse_selftest_output(lines)
+    if not (result.succeeded and report.success):
+        failed = [c for c in report.checks if not c.passed]
+        reason = f"check {failed[0].name} failed on rank(s) {failed[0].ranks}: {failed[0].detail}" if failed else result.failure_message()
+        raise PreflightError(f"The install self-test failed: {reason}. Log: {result.log_path}.")
+    return report
+
+
+def failure_text(error: BaseException) -> str:
+    if isinstance(error, PrefectAccelerateError):
+        return error.message
+    return f"{type(error).__name__}: {error}"
