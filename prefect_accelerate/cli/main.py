@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "prefect_accelerate.cli.launch_cmd",
     "prefect_accelerate.cli.test_cmd",
     "prefect_accelerate.cli.pipeline_cmd",
+    "prefect_accelerate.cli.validate_cmd",
     "prefect_accelerate.cli.fsdp2_cmd",
     "prefect_accelerate.cli.check_cmd",
 )

@@ -12,7 +12,10 @@ from prefect_accelerate.pipeline.graph import build_graph, launch_options
 from prefect_accelerate.pipeline.models import PREFLIGHT_STEPS, PipelineRequest, PipelineResult, PreflightReport, StepOutcome
 
 
-def run_preflight_direct(request: PipelineRequest, on_line: Callable[[str, str], None] | None = None) -> PreflightReport:
+def run_preflight_direct(
+    request: PipelineRequest, on_line: Callable[[str, str], None] | None = None, *, skip: frozenset[str] = frozenset()
+) -> PreflightReport:
+    """The preflight steps in order, in this process; `skip` leaves steps out (e.g. env, probed once elsewhere)."""
     graph = build_graph(request, with_status=False)
     outcomes: list[StepOutcome] = []
     results: dict[str, Any] = {}
@@ -27,6 +30,8 @@ def run_preflight_direct(request: PipelineRequest, on_line: Callable[[str, str],
     }
     for name in PREFLIGHT_STEPS:
         step = graph.step(name)
+        if name in skip:
+            continue
         if not step.enabled:
             outcomes.append(StepOutcome(step=name, status="skipped", reason=f"not needed: {step.reason}"))
             continue
