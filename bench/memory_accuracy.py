@@ -6,10 +6,11 @@ tensor storage through a dispatch mode and sorts it into parameters, gradients, 
 activations and temporaries). When a CUDA device is present, the same runs also report
 `torch.cuda.max_memory_allocated`. We print ratios; nothing here passes or fails.
 
-Two rows per model: "model states" (batch 1, short input: parameters + gradients + optimizer states
-dominate) and "with activations" (a real batch). The estimate is `ddp` on one process, fp32.
+Three rows per model: "model states" (batch 1, short input: parameters + gradients + optimizer states
+dominate), "with activations" (a real batch), and the same batch under bf16 autocast (Accelerate's mixed
+precision without DeepSpeed/FSDP). The estimate is `ddp` on one process.
 
-    python bench/memory_accuracy.py            # about a minute on 2 CPU cores
+    python bench/memory_accuracy.py            # one to two minutes on 2 CPU cores
     python bench/memory_accuracy.py --steps 5
 """
 
@@ -19,7 +20,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,7 +86,7 @@ def batch_for(model, library: str, batch: int, seq: int):
     return inputs
 
 
-def train_and_measure(model, library: str, batch: int, seq: int, steps: int) -> dict[str, int]:
+def train_and_measure(model, library: str, batch: int, seq: int, steps: int, autocast: bool = False) -> dict[str, int]:
     """Peak live tensor memory over `steps` AdamW steps (the first step, which creates the states, included)."""
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -99,12 +99,13 @@ def train_and_measure(model, library: str, batch: int, seq: int, steps: int) -> 
     cuda = torch.cuda.is_available()
     with tracker:
         for step in range(steps):
-            if library == "timm":
-                out = model(data["x"])
-                loss = torch.nn.functional.cross_entropy(out, data["y"])
-            else:
-                out = model(**data)
-                loss = out.loss
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):  # Accelerate's mixed precision for DDP
+                if library == "timm":
+                    out = model(data["x"])
+                    loss = torch.nn.functional.cross_entropy(out.float(), data["y"])
+                else:
+                    out = model(**data)
+                    loss = out.loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
@@ -132,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     from prefect_accelerate.memory.units import human_bytes
 
     torch.manual_seed(0)
-    runs = [("model states", 1, 32), ("with activations", 8, 256)]
+    runs = [("model states", 1, 32, "no"), ("with activations", 8, 256, "no"), ("bf16 autocast", 8, 256, "bf16")]
     header = (f"{'model':<14} {'run':<17} {'estimate':>11} {'measured':>11} {'ratio':>6}   "
               f"{'states est.':>11} {'states meas.':>12} {'ratio':>6}   {'act. est.':>10} {'act.+temp at peak':>17}")
     print("Measured with torch.distributed._tools.mem_tracker.MemTracker (peak of live tensors, CPU), AdamW foreach.")
-    print("estimate = per-device total for --strategy ddp --num_processes 1 (fp32); states = params + grads + Adam states.")
+    print("estimate = per-device total for --strategy ddp --num_processes 1 (fp32, or bf16 autocast); states = params + grads + Adam states.")
     print(header)
     print("-" * len(header))
     ratios = []
@@ -144,12 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         folders = save_configs(Path(tmp))
         for name, folder in folders.items():
             library = "timm" if name.startswith("timm") else "transformers"
-            for label, batch, seq in runs:
-                est = estimate(str(folder), EstimateOptions(strategy="ddp", batch_size=batch, seq_len=seq))
+            for label, batch, seq, precision in runs:
+                est = estimate(str(folder), EstimateOptions(strategy="ddp", batch_size=batch, seq_len=seq, mixed_precision=precision))
                 b = est.breakdown
-                started = time.perf_counter()
-                measured = train_and_measure(real_model(folder, library), library, batch, seq, args.steps)
-                del started
+                measured = train_and_measure(real_model(folder, library), library, batch, seq, args.steps, precision == "bf16")
                 est_states = sum(b.item(k).bytes for k in ("parameters", "gradients", "optimizer_states"))
                 act = b.item("activations").bytes + b.item("backward_temporaries").bytes
                 meas_act = measured.get("act", 0) + measured.get("temp", 0)

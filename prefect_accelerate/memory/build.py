@@ -5,12 +5,12 @@ Two builds on purpose (docs/memory.md, "What is counted"):
 - **Table model.** Accelerate builds `AutoModel` (the base model, no head) unless the config's
   ``auto_map`` names an ``AutoModelFor*`` class, inside ``init_empty_weights()``. That context stores a
   fresh meta Parameter each time a parameter is registered, so weights the model ties by assignment
-  (T5's shared embedding, a causal LM head) become separate tensors and are counted again. The table
-  keeps Accelerate's numbers, so we build the same class with the same registration behaviour, on the
-  meta device (which is also what makes it fast: nothing is allocated).
+  (T5's shared embedding) become separate tensors and are counted again. The table keeps Accelerate's
+  numbers, so we build the same class with the same registration behaviour, all on the meta device
+  (which is also why it is fast: nothing is allocated, buffers included).
 - **Trained model.** The class from the config's ``architectures`` (``GPT2LMHeadModel``,
-  ``T5ForConditionalGeneration``...), with its head and its ties intact, under a FakeTensorMode so that
-  the same model can then run a forward pass for the activation trace.
+  ``T5ForConditionalGeneration``...), with its head and its ties intact, on the meta device. For the
+  activation trace a copy is switched to fake CPU tensors (`to_fake`).
 """
 
 from __future__ import annotations

@@ -86,7 +86,8 @@ def check_fit(estimate: MemoryEstimate, device_memory: str | int | None = None,
         if suggestions:
             message += f" Smallest change that fits: {suggestions[0].change} ({suggestions[0].device_total} per device)."
         else:
-            message += " None of the changes we try (checkpointing, smaller batch, ZeRO/FSDP stages, offload, 8-bit optimizer, more processes) fits."
+            message += (" None of the changes we try (checkpointing, a smaller batch, ZeRO/FSDP stages, offload, another "
+                        "optimizer, more processes or machines, and pairs of these) fits.")
     return FitVerdict(
         fits=fits, device_memory_bytes=memory, device_memory=human_bytes(memory), device_source=where,
         reserve_fraction=reserve_fraction, usable_bytes=usable, required_bytes=required, required=breakdown.device_total,
@@ -184,6 +185,17 @@ class _Search:
                 return
 
 
+    def more_machines(self, patch: dict, prefix: str = "") -> None:
+        if self.options.model_copy(update=patch).strategy in ("ddp", "fsdp_hybrid_shard"):
+            return  # neither shards across machines
+        per_machine = self.options.num_processes // self.options.num_machines
+        for factor in (2, 4, 8):
+            machines = self.options.num_machines * factor
+            change = f"{prefix} --num_machines {machines} --num_processes {per_machine * machines}".strip()
+            if self.attempt(change, {**patch, "num_machines": machines, "num_processes": per_machine * machines}):
+                return
+
+
 def suggest(profile: ModelProfile, options: EstimateOptions, usable: int) -> list[Suggestion]:
     """Changes that make the run fit, the smallest first; pairs of changes only when no single one does."""
     search = _Search(profile, options, usable)
@@ -196,6 +208,7 @@ def suggest(profile: ModelProfile, options: EstimateOptions, usable: int) -> lis
     for change, patch in others:
         search.attempt(change, patch)
     search.more_processes({})
+    search.more_machines({})
     if not search.found:
         for (change_a, patch_a), (change_b, patch_b) in itertools.combinations(singles, 2):
             if not set(patch_a) & set(patch_b):
@@ -203,4 +216,5 @@ def suggest(profile: ModelProfile, options: EstimateOptions, usable: int) -> lis
         for change, patch in singles:
             search.smaller_batch(patch, change)
             search.more_processes(patch, change)
+            search.more_machines(patch, change)
     return search.found[:MAX_SUGGESTIONS]

@@ -172,6 +172,18 @@ def _timm_source(name: str, library_name: str | None) -> ModelSource | None:
     return None
 
 
+def _timm_hint(name: str) -> str:
+    """For a bare name that is neither a repo nor a timm architecture: the closest timm name, if any."""
+    if "/" in name:
+        return ""
+    try:
+        import timm
+    except ImportError:
+        return ""
+    hint = did_you_mean(name.split(".")[0], timm.list_models())
+    return f" It is not a timm architecture either.{hint}" if hint else ""
+
+
 def _hub_source(name: str, library_name: str | None) -> ModelSource:
     if hub_offline():
         from huggingface_hub import constants
@@ -197,7 +209,7 @@ def _hub_source(name: str, library_name: str | None) -> ModelSource:
     except RepositoryNotFoundError:
         raise EstimateError(
             f"The Hub has no model repo `{name}` (or it is private and you are not logged in). Check the spelling "
-            "on the Hub; for a private repo log in with `hf auth login` or set HF_TOKEN."
+            f"on the Hub; for a private repo log in with `hf auth login` or set HF_TOKEN.{_timm_hint(name)}"
         ) from None
     except (OSError, ValueError) as error:
         raise EstimateError(

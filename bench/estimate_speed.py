@@ -1,0 +1,131 @@
+"""How fast is `estimate-memory`? Our path next to Accelerate's own meta-device path, on the same configs.
+
+Configs: a Llama-3-70B shape and Mixtral-8x7B (MoE), written locally (nothing from the Hub). Each
+figure is the median of 5 runs:
+
+- warm, in one process after a first run (imports paid): our table alone, our table plus the
+  ZeRO-3 breakdown with the activation trace, and Accelerate's `gather_data` (with `verify_on_hub`
+  answered locally, since Accelerate cannot size a local folder otherwise: reference spike §6.1);
+- cold, a fresh Python process per run (imports included): `prefect-accelerate estimate-memory` and
+  Accelerate's `estimate_command`, both printing their table.
+
+We print times and ratios; nothing here passes or fails.
+
+    python bench/estimate_speed.py               # about 2 minutes on 2 CPU cores
+    python bench/estimate_speed.py --repeats 3 --no-cold
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SHIMS = REPO / "tests" / "shims"
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(SHIMS))  # torchvision shim: accelerate's estimate module imports timm
+import sitecustomize  # noqa: E402,F401
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+OURS_COLD = """
+import sys
+from prefect_accelerate.cli import main
+main.COMMAND_MODULES = tuple(dict.fromkeys((*main.COMMAND_MODULES, "prefect_accelerate.cli.estimate_cmd")))
+sys.exit(main.main(["estimate-memory", sys.argv[1], "--no-track"]))
+"""
+ACCELERATE_COLD = """
+import sys, types
+import accelerate.commands.estimate as est
+est.verify_on_hub = lambda repo, token=None: types.SimpleNamespace(library_name="transformers", config={})
+est.estimate_command(est.estimate_command_parser().parse_args([sys.argv[1], "--library_name", "transformers"]))
+"""
+
+
+def write_configs(root: Path) -> dict[str, Path]:
+    import transformers
+
+    configs = {
+        "llama-3-70b": transformers.LlamaConfig(
+            hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+            vocab_size=128256, max_position_embeddings=8192, tie_word_embeddings=False, architectures=["LlamaForCausalLM"]),
+        "mixtral-8x7b": transformers.MixtralConfig(architectures=["MixtralForCausalLM"]),
+    }
+    folders = {}
+    for name, config in configs.items():
+        config.save_pretrained(root / name)
+        folders[name] = root / name
+    return folders
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def accelerate_path(folder: Path):
+    import types
+
+    import accelerate.commands.estimate as est
+
+    est.verify_on_hub = lambda repo, token=None: types.SimpleNamespace(library_name="transformers", config={})
+    args = est.estimate_command_parser().parse_args([str(folder), "--library_name", "transformers"])
+    return lambda: est.gather_data(args)
+
+
+def cold(script: str, folder: Path, repeats: int) -> float:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+    def once():
+        subprocess.run([sys.executable, "-c", script, str(folder)], check=True, env=env, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+
+    return median_time(once, repeats)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-cold", action="store_true", help="Skip the fresh-process runs.")
+    args = parser.parse_args(argv)
+
+    from prefect_accelerate.memory import EstimateOptions, estimate
+
+    table_only = EstimateOptions()
+    breakdown = EstimateOptions(strategy="zero3", num_processes=8, mixed_precision="bf16", seq_len=2048)
+    print(f"median of {args.repeats}; warm = in one process after a first run, cold = a fresh process per run")
+    header = (f"{'config':<13} {'ours: table':>12} {'ours: +zero3 breakdown':>23} {'accelerate':>11} "
+              f"{'table ratio':>12} {'cold ours':>10} {'cold accelerate':>16} {'cold ratio':>11}")
+    print(header)
+    print("-" * len(header))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, folder in write_configs(Path(tmp)).items():
+            estimate(str(folder), breakdown)  # warm-up: imports, lazy modules
+            theirs = accelerate_path(folder)
+            theirs()
+            ours_table = median_time(lambda: estimate(str(folder), table_only), args.repeats)
+            ours_full = median_time(lambda: estimate(str(folder), breakdown), args.repeats)
+            accelerate_table = median_time(theirs, args.repeats)
+            line = (f"{name:<13} {ours_table:11.2f}s {ours_full:22.2f}s {accelerate_table:10.2f}s "
+                    f"{ours_table / accelerate_table:11.2f}x")
+            if not args.no_cold:
+                ours_cold = cold(OURS_COLD, folder, args.repeats)
+                accelerate_cold = cold(ACCELERATE_COLD, folder, args.repeats)
+                line += f" {ours_cold:9.2f}s {accelerate_cold:15.2f}s {ours_cold / accelerate_cold:10.2f}x"
+            print(line)
+    print("\nratio = ours / accelerate (below 1: we are faster). Cold runs are mostly Python imports (torch, transformers).")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
