@@ -18,6 +18,7 @@ from prefect.artifacts import create_table_artifact
 
 from prefect_accelerate.errors import PreflightError
 from prefect_accelerate.flows.launch import end_launch_processes
+from prefect_accelerate.pipeline import index
 from prefect_accelerate.pipeline.graph import build_graph, launch_options
 from prefect_accelerate.pipeline.models import PREFLIGHT_STEPS, PipelineRequest, PipelineResult, PreflightReport, StepOutcome
 from prefect_accelerate.pipeline.steps import failure_text
@@ -64,7 +65,7 @@ class _Runner:
         step = self.graph.step(name)
         task = _TASKS[name].with_options(refresh_cache=self.request.forced(name))
         args = (self.request, *extra)
-        kwargs = dict(key=step.key or f"pa-{name}-unkeyed", pipeline_id=self.graph.pipeline_id, inputs=step.inputs)
+        kwargs = dict(key=step.key or f"pa-{name}-unkeyed")
         started = time.monotonic()
         if submit:
             return task.submit(*args, **kwargs), started
@@ -75,6 +76,9 @@ class _Runner:
         if state.is_completed():
             self.results[name] = state.result()
             cached = state.name == "Cached"
+            step = self.graph.step(name)
+            if step.key:
+                index.record(self.graph.pipeline_id, name, step.key, step.inputs)
             self.outcomes[name] = StepOutcome(step=name, status="cached" if cached else "ran", duration_s=duration,
                                               reason="inputs unchanged" if cached else self.graph.step(name).reason or "")
             return True

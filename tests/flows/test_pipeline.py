@@ -1,0 +1,169 @@
+"""The preflight pipeline on the session's Prefect test server: resume, exact re-runs, gates, approval, validation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from prefect_accelerate.errors import PreflightError
+from prefect_accelerate.pipeline.models import MemorySettings, PipelineRequest, ValidationRequest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = str(REPO / "examples" / "ddp_allreduce.py")
+QUIET = {"mixed_precision": "no", "dynamo_backend": "no", "num_machines": 1}
+
+pytestmark = [pytest.mark.usefixtures("prefect_harness"), pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True)
+def own_state(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFECT_ACCELERATE_STATE_DIR", str(tmp_path / "state"))
+
+
+@pytest.fixture
+def tiny_gpt2(tmp_path) -> str:
+    from transformers import GPT2Config
+
+    folder = tmp_path / "tiny-gpt2"
+    GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000, n_positions=128).save_pretrained(folder)
+    return str(folder)
+
+
+def statuses(report) -> dict[str, str]:
+    return {s.step: s.status for s in report.steps}
+
+
+def test_resume_skips_unchanged_steps_and_one_byte_reruns_exactly_its_dependents(tmp_path, tiny_gpt2):
+    from prefect_accelerate.flows.pipeline import preflight
+
+    config = tmp_path / "cpu.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nmixed_precision: 'no'\ndebug: false\n")
+    request = PipelineRequest(script=EXAMPLE, config_file=str(config), model=tiny_gpt2, memory=MemorySettings(device_memory="8GiB"),
+                              launch_flags={"dynamo_backend": "no"})
+    first = preflight(request)
+    assert statuses(first) == {"config": "ran", "env": "ran", "memory": "ran", "memory-fit": "ran",
+                               "deepspeed-check": "skipped", "install-test": "ran"}
+    second = preflight(request)
+    assert statuses(second) == {"config": "cached", "env": "cached", "memory": "cached", "memory-fit": "cached",
+                                "deepspeed-check": "skipped", "install-test": "cached"}
+
+    # one byte that only the config itself and the self-test read
+    config.write_text(config.read_text().replace("debug: false", "debug: true "))
+    third = preflight(request)
+    assert statuses(third) == {"config": "ran", "env": "cached", "memory": "cached", "memory-fit": "cached",
+                               "deepspeed-check": "skipped", "install-test": "ran"}
+
+    # a change of layout re-runs the memory steps as well, and --force re-runs a cached step
+    config.write_text(config.read_text().replace("num_processes: 2", "num_processes: 1"))
+    fourth = preflight(request.model_copy(update={"force": ["env"]}))
+    assert statuses(fourth) == {"config": "ran", "env": "ran", "memory": "ran", "memory-fit": "ran",
+                                "deepspeed-check": "skipped", "install-test": "ran"}
+
+
+def test_plan_explains_what_changed(tmp_path, tiny_gpt2):
+    from prefect_accelerate.flows.pipeline import preflight
+    from prefect_accelerate.pipeline.graph import build_graph
+
+    config = tmp_path / "cpu.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
+    request = PipelineRequest(script=EXAMPLE, config_file=str(config), model=tiny_gpt2, memory=MemorySettings(device_memory="8GiB"),
+                              run_install_test=False)
+    assert {s.name: s.status for s in build_graph(request).enabled()}["config"] == "would run"
+    preflight(request)
+    graph = build_graph(request)
+    assert {s.name: s.status for s in graph.enabled()} == {
+        "config": "would use cache", "env": "would use cache", "memory": "would use cache", "memory-fit": "would use cache", "launch": "would run"}
+    config.write_text(config.read_text().replace("num_processes: 2", "num_processes: 1"))
+    graph = build_graph(request)
+    assert graph.step("config").reason == "config file changed"
+    assert graph.step("memory").reason == "layout changed"
+    assert graph.step("env").status == "would use cache"
+
+
+def test_a_failed_step_stops_before_the_launch_and_names_the_step(tmp_path):
+    from prefect_accelerate.flows.pipeline import launch_training
+
+    config = tmp_path / "bad.yaml"
+    config.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_cpu_ram_efficient_loading: true\n  fsdp_sync_module_states: false\n")
+    request = PipelineRequest(script=EXAMPLE, config_file=str(config))
+    with pytest.raises(PreflightError, match="Preflight step config failed: .*fsdp_sync_module_states.* Nothing was launched"):
+        launch_training(request)
+
+
+def test_memory_gate_stops_a_run_that_would_not_fit(tmp_path, tiny_gpt2):
+    from prefect_accelerate.flows.pipeline import run_preflight
+    from prefect import flow
+
+    @flow
+    def gate():
+        request = PipelineRequest(script=EXAMPLE, launch_flags={"cpu": True, "num_processes": 2, **QUIET}, model=tiny_gpt2,
+                                  memory=MemorySettings(device_memory="64KiB"))
+        return run_preflight(request)
+
+    report = gate()
+    assert not report.ok and report.failed_step == "memory-fit"
+    assert statuses(report)["install-test"] == "skipped"
+    assert "would not fit" in report.step("memory-fit").reason
+
+
+def test_pipeline_launches_after_preflight(tmp_path):
+    from prefect_accelerate.flows.pipeline import launch_training
+
+    request = PipelineRequest(script=EXAMPLE, launch_flags={"cpu": True, "num_processes": 2, **QUIET}, run_install_test=False)
+    result = launch_training(request)
+    assert result.launched and result.launch.succeeded
+    assert any("all_reduce sum = 3.0" in line for line in result.launch.tail)
+
+
+def _resume_when_paused(approve: bool, found: dict) -> None:
+    from prefect import resume_flow_run
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateName
+
+    async def paused_run():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(name=FlowRunFilterStateName(any_=["Paused"]))))
+            return runs[0].id if runs else None
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        run_id = asyncio.run(paused_run())
+        if run_id:
+            found["id"] = run_id
+            resume_flow_run(run_id, run_input={"approve": approve, "note": "from the test"})
+            return
+        time.sleep(1)
+
+
+@pytest.mark.parametrize("approve", [True, False])
+def test_approval_gate_launches_only_when_approved(approve):
+    from prefect_accelerate.flows.pipeline import launch_training
+
+    found: dict = {}
+    helper = threading.Thread(target=_resume_when_paused, args=(approve, found), daemon=True)
+    helper.start()
+    request = PipelineRequest(script=EXAMPLE, launch_flags={"cpu": True, "num_processes": 2, **QUIET}, run_install_test=False,
+                              require_approval=True)
+    result = launch_training(request)
+    helper.join(timeout=5)
+    assert "id" in found
+    assert result.launched is approve and result.approved is approve
+
+
+def test_validate_configs_reports_every_config_and_fails_when_one_does(tmp_path):
+    from prefect_accelerate.flows.validate import validate_configs
+
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "good.yaml").write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
+    (folder / "bad.yaml").write_text("distributed_type: MULTI_CPU\nnum_processes: two\n")
+    request = ValidationRequest(configs=[str(folder)], run_install_test=False, max_concurrency=2)
+    with pytest.raises(PreflightError, match=r"1 of 2 config\(s\) failed validation: bad.yaml \(config"):
+        validate_configs(request)
+    (folder / "bad.yaml").unlink()
+    report = validate_configs(request)
+    assert report.ok and [Path(c.config_file).name for c in report.configs] == ["good.yaml"]
