@@ -44,5 +44,5 @@ def test_plan_draws_mermaid_and_dot_without_prefect_or_torch(tmp_path):
     assert "install_test --> launch" in mermaid.stdout and "would run" in mermaid.stdout
     imported = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in mermaid.stderr.splitlines() if line.startswith("import time:")}
     assert "prefect" not in imported and "torch" not in imported
-    dot = subprocess.run([sys.executable, "-m", "prefect_accelerate.cli.main", *base[5:], "--format", "dot"], capture_output=True, text=True, env=env, timeout=120)
+    dot = subprocess.run([sys.executable, "-m", "prefect_accelerate.cli.main", *base[5:-1], "--format", "dot", str(EXAMPLE)], capture_output=True, text=True, env=env, timeout=120)
     assert dot.stdout.startswith("digraph preflight {") and '"install-test" -> "launch";' in dot.stdout
