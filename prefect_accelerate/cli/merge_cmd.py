@@ -37,15 +37,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from prefect_accelerate.merge import parse_size
-
-    parse_size(args.max_shard_size)  # a bad size is a usage error before Prefect starts or the checkpoint is read
     options = {
         "unsafe_serialization": args.unsafe_serialization,
         "remove_checkpoint_dir": args.remove_checkpoint_dir,
         "max_shard_size": args.max_shard_size,
     }
     if should_track(args):
+        from prefect_accelerate.merge import check_merge
+
+        # a wrong folder or flag is reported before Prefect starts (its server takes seconds), and plainly
+        check_merge(args.checkpoint_directory, args.output_path, **options)
         from prefect_accelerate.flows.merge import merge_weights_flow
 
         result = merge_weights_flow(checkpoint_dir=args.checkpoint_directory, output_dir=args.output_path, **options)

@@ -11,6 +11,7 @@ The pure API, importable without Prefect (torch is imported when a checkpoint is
 from __future__ import annotations
 
 from prefect_accelerate.merge.checkpoint import Checkpoint, CheckpointEntry, open_checkpoint
+from prefect_accelerate.merge.checks import check_merge
 from prefect_accelerate.merge.core import merge_weights
 from prefect_accelerate.merge.progress import MergeProgress, StderrProgress
 from prefect_accelerate.merge.result import MergedTensor, MergeResult
@@ -24,6 +25,7 @@ __all__ = [
     "MergeResult",
     "MergedTensor",
     "StderrProgress",
+    "check_merge",
     "format_size",
     "merge_weights",
     "open_checkpoint",

@@ -24,37 +24,26 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from prefect_accelerate.errors import MergeError
-from prefect_accelerate.merge.checkpoint import Checkpoint, CheckpointEntry, load_entries, open_checkpoint
-from prefect_accelerate.merge.layout import METADATA_FILE, SHARD_SUFFIX
+from prefect_accelerate.merge.checkpoint import Checkpoint, CheckpointEntry, load_entries
+from prefect_accelerate.merge.checks import check_free_space, check_merge
 from prefect_accelerate.merge.progress import MergeProgress, ProgressCallback
 from prefect_accelerate.merge.result import MergedTensor, MergeResult
-from prefect_accelerate.merge.safetensors_file import (
-    SafetensorsWriter,
-    TensorSpec,
-    checksum,
-    drop_cache,
-    read_checksums,
-    tensor_bytes,
-    unsupported_dtypes,
-)
-from prefect_accelerate.merge.shards import (
-    DEFAULT_MAX_SHARD_SIZE,
-    INDEX_NAMES,
-    OutputFile,
-    OutputFormat,
-    format_size,
-    index_json,
-    is_own_output,
-    parse_size,
-    plan_files,
+from prefect_accelerate.merge.safetensors_file import SafetensorsWriter, TensorSpec, checksum, drop_cache, read_checksums, tensor_bytes
+from prefect_accelerate.merge.shards import DEFAULT_MAX_SHARD_SIZE, INDEX_NAMES, OutputFile, OutputFormat, index_json, parse_size, plan_files
+from prefect_accelerate.merge.staging import (
+    make_dirs,
+    publish,
+    remove_created,
+    remove_stale_staging,
+    sigterm_as_exception,
+    staging_prefix,
+    write_text_synced,
 )
 
 #: safetensors metadata Accelerate (and transformers) write; `from_pretrained` checks it
 SAFETENSORS_METADATA = {"format": "pt"}
 #: how many bytes of tensors are read from the checkpoint at a time when streaming a safetensors file
 READ_GROUP_BYTES = 256 << 20
-STAGING_PREFIX = ".merge-weights-"
-_FREE_SPACE_SLACK = 1 << 20
 
 
 def merge_weights(
@@ -91,24 +80,22 @@ def merge_weights(
     started = time.monotonic()
     fmt: OutputFormat = "bin" if unsafe_serialization else "safetensors"
     shard_limit = parse_size(max_shard_size)
-    checkpoint = open_checkpoint(checkpoint_dir)
+    checkpoint = check_merge(checkpoint_dir, output_dir, unsafe_serialization=unsafe_serialization,
+                             remove_checkpoint_dir=remove_checkpoint_dir, max_shard_size=max_shard_size)
     output = Path(output_dir).expanduser()
-    _check_output(output, checkpoint.folder, remove_checkpoint_dir)
-    if remove_checkpoint_dir:
-        _check_removable(checkpoint.folder)
-    if fmt == "safetensors":
-        _check_safetensors_can_hold(checkpoint)
     files = plan_files(checkpoint.entries, fmt, shard_limit)
     index = INDEX_NAMES[fmt] if len(files) > 1 else None
     tracker = _Tracker(on_progress, checkpoint, started)
 
-    created = _make_dirs(output)
+    created = make_dirs(output)
     try:
-        _check_free_space(output, checkpoint.total_bytes)
-        replaced = _write_verify_publish(checkpoint, files, index, output, fmt, tracker, read_group_bytes,
-                                         from_disk=remove_checkpoint_dir)
+        with sigterm_as_exception():
+            remove_stale_staging(output)
+            check_free_space(output, checkpoint.total_bytes)
+            replaced = _write_verify_publish(checkpoint, files, index, output, fmt, tracker, read_group_bytes,
+                                             from_disk=remove_checkpoint_dir)
     except BaseException:
-        _remove_created(created)
+        remove_created(created)
         raise
 
     removed = False
@@ -175,7 +162,7 @@ def _write_verify_publish(checkpoint: Checkpoint, files: list[OutputFile], index
     that when the checkpoint is about to be deleted (it roughly doubles the time of a large merge).
     """
     try:
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=output))
+        staging = Path(tempfile.mkdtemp(prefix=staging_prefix(), dir=output))
     except OSError as error:
         raise _write_error(output, error) from error
     try:
@@ -185,14 +172,14 @@ def _write_verify_publish(checkpoint: Checkpoint, files: list[OutputFile], index
                 write = _write_safetensors if fmt == "safetensors" else _write_bin
                 sums[out.name] = write(checkpoint, out, staging / out.name, tracker, group_bytes)
             if index is not None:
-                _write_text(staging / index, index_json(files))
+                write_text_synced(staging / index, index_json(files))
             for out in files:
                 verify = _verify_safetensors if fmt == "safetensors" else _verify_bin
                 verify(staging / out.name, out, sums[out.name], tracker, from_disk=from_disk)
         except OSError as error:
             raise _write_error(output, error) from error
         names = [f.name for f in files] + ([index] if index else [])
-        return _publish(staging, output, names, fmt)
+        return publish(staging, output, names, fmt)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -298,118 +285,3 @@ def _write_error(output: Path, error: OSError) -> MergeError:
     )
 
 
-def _publish(staging: Path, output: Path, names: list[str], fmt: OutputFormat) -> list[str]:
-    """Move the checked files into place, index last, then remove older outputs of the same format.
-
-    Each move is an atomic rename within one file system; the order means a reader never sees an index
-    that points at files not there yet.
-    """
-    for name in names:
-        os.replace(staging / name, output / name)
-    stale = [p for p in output.iterdir() if p.is_file() and is_own_output(p.name, fmt) and p.name not in names]
-    for path in sorted(stale, key=lambda p: not p.name.endswith(".index.json")):
-        path.unlink()
-    _fsync_dir(output)
-    return sorted(p.name for p in stale)
-
-
-def _write_text(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _check_output(output: Path, checkpoint: Path, remove: bool) -> None:
-    if output.exists() and not output.is_dir():
-        raise MergeError(f"The output path {output} is a file; merge-weights writes into a folder. Pass a folder path (it is created if missing).")
-    for parent in output.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise MergeError(f"The output folder {output} cannot be created: {parent} is a file. Pass another output path.")
-            break
-    if remove:
-        resolved_out, resolved_ckpt = output.resolve(), checkpoint.resolve()
-        if resolved_out == resolved_ckpt or resolved_ckpt in resolved_out.parents:
-            raise MergeError(
-                f"The output folder {output} is inside the checkpoint folder {checkpoint}, which --remove_checkpoint_dir "
-                "would delete together with the merged weights. Pass an output folder outside it."
-            )
-
-
-def _check_removable(folder: Path) -> None:
-    if folder.is_symlink():
-        raise MergeError(
-            f"{folder} is a symbolic link; --remove_checkpoint_dir removes only real checkpoint folders. "
-            "Pass the folder it points to, or remove the link and its target yourself."
-        )
-    others = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
-                    if not (p.is_file() and (p.name == METADATA_FILE or p.name.endswith(SHARD_SUFFIX))))
-    if others:
-        listed = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
-        raise MergeError(
-            f"Refusing --remove_checkpoint_dir: {folder} also holds {listed}, which are not part of the checkpoint "
-            "and would be deleted with it. Move them out, or merge without --remove_checkpoint_dir."
-        )
-
-
-def _check_safetensors_can_hold(checkpoint: Checkpoint) -> None:
-    if checkpoint.objects:
-        names = ", ".join(e.name for e in checkpoint.objects[:5]) + (" ..." if len(checkpoint.objects) > 5 else "")
-        raise MergeError(
-            f"{checkpoint.folder} holds {len(checkpoint.objects)} non-tensor entries ({names}), which a safetensors file "
-            "cannot store. Pass --unsafe_serialization to write pytorch_model.bin (a pickle) with them, or save the "
-            "model without them."
-        )
-    bad = unsupported_dtypes(e.dtype or "" for e in checkpoint.tensors)
-    if bad:
-        names = ", ".join(e.name for e in checkpoint.tensors if e.dtype in bad)[:200]
-        raise MergeError(
-            f"safetensors has no dtype for {', '.join(bad)} (tensors {names}). Pass --unsafe_serialization to write "
-            "pytorch_model.bin instead."
-        )
-
-
-def _check_free_space(output: Path, needed: int) -> None:
-    try:
-        free = shutil.disk_usage(output).free
-    except OSError:
-        return
-    if free < needed + _FREE_SPACE_SLACK:
-        raise MergeError(
-            f"The merged weights need about {format_size(needed)}, but the disk holding {output} has {format_size(free)} "
-            "free. Free some space or pass an output folder on another disk."
-        )
-
-
-def _make_dirs(output: Path) -> list[Path]:
-    """Create the output folder and its missing parents; return what was created, outermost first."""
-    missing = [p for p in [output, *output.parents] if not p.exists()]
-    try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise MergeError(
-            f"Could not create the output folder {output} ({error.strerror or error}). Check the path and permissions."
-        ) from error
-    return list(reversed(missing))
-
-
-def _remove_created(created: list[Path]) -> None:
-    for folder in reversed(created):
-        try:
-            folder.rmdir()
-        except OSError:
-            return

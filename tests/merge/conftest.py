@@ -66,7 +66,10 @@ def make_checkpoint(tmp_path) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def fsdp_run(tmp_path_factory) -> Path:
-    """The folder a real two-process FSDP2 save wrote: pytorch_model_fsdp_0/, optimizer_0/, full_state.pt, info.json."""
+    """The folder a real two-process FSDP2 save wrote: pytorch_model_fsdp_0/, optimizer_0/, full_state.pt, info.json.
+
+    The same weights saved through FSDP1 (ShardedTensor) are in the sibling folder `fsdp1/pytorch_model_fsdp_0`.
+    """
     from prefect_accelerate.launchers import plan_launch
     from prefect_accelerate.launchers.options import build_launch_options
     from prefect_accelerate.launchers.process import run_plan
@@ -74,7 +77,7 @@ def fsdp_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp")
     out = root / "checkpoint"
     options = build_launch_options(
-        str(SCRIPTS / "make_checkpoint.py"), [str(out)], cpu=True, num_processes=2, mixed_precision="no",
+        str(SCRIPTS / "make_checkpoint.py"), [str(out), "--fsdp1", str(root / "fsdp1")], cpu=True, num_processes=2, mixed_precision="no",
         num_machines=1, dynamo_backend="no", run_dir=str(root / "launch"),
     )
     run_plan(plan_launch(options), timeout=240).raise_for_failure()

@@ -1,4 +1,5 @@
-"""A real sharded checkpoint: two FSDP2 ranks on CPU (gloo), launched through our launcher, saved with DCP.
+"""A real sharded checkpoint: two FSDP2 ranks on CPU (gloo), launched through our launcher, saved with DCP
+(plus the same weights saved through FSDP1 as ShardedTensors, Accelerate's default fsdp_version).
 
 Merged, every tensor must equal the full model state the job gathered; the files must match what
 Accelerate's own `merge_fsdp_weights` writes from the same checkpoint; the CLI must behave in a subprocess.
@@ -77,6 +78,18 @@ def test_output_matches_accelerates_merge_fsdp_weights_on_the_same_checkpoint(fs
     ours = torch.load(tmp_path / "ours" / "pytorch_model.bin", weights_only=True)
     assert list(ours) == list(theirs)
     assert_same_state(ours, theirs)
+
+
+def test_an_fsdp1_sharded_tensor_checkpoint_merges_to_the_same_weights(fsdp_run, tmp_path):
+    from accelerate.utils import merge_fsdp_weights
+
+    info = json.loads((fsdp_run / "info.json").read_text())
+    assert "head.weight" in info["fsdp1_sharded_tensor_keys"]
+    folder = fsdp_run.parent / "fsdp1" / "pytorch_model_fsdp_0"
+    merge_weights(folder, tmp_path / "ours")
+    assert_same_state(load_file(tmp_path / "ours" / "model.safetensors"), full_state(fsdp_run))
+    merge_fsdp_weights(str(folder), str(tmp_path / "accelerate"))
+    assert (tmp_path / "ours" / "model.safetensors").read_bytes() == (tmp_path / "accelerate" / "model.safetensors").read_bytes()
 
 
 def test_sharded_output_loads_into_the_model_through_its_index(fsdp_checkpoint, tmp_path):

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
+import socket
 import struct
+import subprocess
+import sys
 import zipfile
 
 import pytest
@@ -245,3 +250,45 @@ def test_result_message_and_table_describe_the_merge(make_checkpoint, tmp_path):
     assert [r["tensor"] for r in rows[:3]] == [t.name for t in result.tensors[:3]]
     assert rows[3]["tensor"] == "... 6 more" and rows[-1]["tensor"] == "total: 9 tensors"
     assert result.weights_path == tmp_path / "out" / "model.safetensors.index.json"
+
+
+def test_staging_folders_of_dead_merges_are_removed_and_others_kept(make_checkpoint, tmp_path):
+    from prefect_accelerate.merge.staging import STAGING_PREFIX, _host
+
+    out = tmp_path / "out"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    names = {
+        "dead": f"{STAGING_PREFIX}{_host()}-{dead}-x1",
+        "alive": f"{STAGING_PREFIX}{_host()}-{os.getpid()}-x2",
+        "other_host": f"{STAGING_PREFIX}not-{socket.gethostname()}-{dead}-x3",
+    }
+    for name in names.values():
+        (out / name).mkdir(parents=True)
+        (out / name / "model.safetensors").write_bytes(b"partial")
+    merge_weights(make_checkpoint(), out)
+    assert not (out / names["dead"]).exists()
+    assert (out / names["alive"]).exists() and (out / names["other_host"]).exists()
+
+
+def test_sigterm_mid_merge_leaves_no_staging_folder(make_checkpoint, tmp_path):
+    script = (
+        "import sys, time\n"
+        "from prefect_accelerate.merge import merge_weights\n"
+        "def slow(progress):\n"
+        "    if progress.phase == 'writing':\n"
+        "        print('writing', flush=True)\n"
+        "        time.sleep(60)\n"
+        "merge_weights(sys.argv[1], sys.argv[2], on_progress=slow)\n"
+    )
+    out = tmp_path / "new" / "out"
+    proc = subprocess.Popen([sys.executable, "-c", script, str(make_checkpoint()), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        assert any(p.name.startswith(".merge-weights-") for p in out.iterdir())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "Terminated" in err
+    assert not (tmp_path / "new").exists()

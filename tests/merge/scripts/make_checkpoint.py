@@ -7,7 +7,10 @@ initial ones, and writes, under OUTPUT:
     pytorch_model_fsdp_0/   torch.distributed.checkpoint of {"model": sharded state dict} (.metadata + *.distcp)
     optimizer_0/            the same for {"optimizer": sharded optimizer state}
     full_state.pt           the full (unsharded) model state dict, gathered, for comparison
-    info.json               how the model was sharded, which keys are DTensors
+    info.json               how the model was sharded, which keys are DTensors / ShardedTensors
+
+and, with `--fsdp1 DIR`, DIR/pytorch_model_fsdp_0/: the same weights saved through FSDP1
+(FullyShardedDataParallel, ShardedTensor), as Accelerate's default fsdp_version 1 saves them.
 
 The model mixes what a merge has to get right: rows that do not split evenly over two ranks (a 5-row
 head, an 11-row embedding), an int64 and a bfloat16 buffer that FSDP leaves replicated (saved once by
@@ -63,6 +66,25 @@ class TinyModel(nn.Module):
         return self.head(x) * self.temperature
 
 
+def save_fsdp1(full: dict, args: argparse.Namespace) -> list[str]:
+    """The same weights through FSDP1 (FullyShardedDataParallel, ShardedTensor), saved the way Accelerate does."""
+    import warnings
+
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardedStateDictConfig, StateDictType
+
+    model = TinyModel(args.hidden, args.layers)
+    model.load_state_dict(full)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FSDP1 and ShardedTensor deprecation notes
+        # no device_mesh: with one, FSDP1 would hand out DTensors instead of ShardedTensors
+        wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True)
+        with FullyShardedDataParallel.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True)):
+            state = wrapped.state_dict()
+        dcp.save({"model": state}, storage_writer=dcp.FileSystemWriter(str(args.fsdp1 / MODEL_FOLDER)))
+    return sorted(k for k, v in state.items() if isinstance(v, ShardedTensor))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("output", type=Path)
@@ -70,6 +92,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--no-optimizer", dest="optimizer", action="store_false")
     parser.add_argument("--no-full-state", dest="full_state", action="store_false")
+    parser.add_argument("--fsdp1", type=Path, default=None, help="also save the weights through FSDP1 here")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -96,16 +119,19 @@ def main() -> None:
     if args.optimizer:
         optim_state = get_optimizer_state_dict(model, optimizer)
         dcp.save({"optimizer": optim_state}, storage_writer=dcp.FileSystemWriter(str(args.output / OPTIMIZER_FOLDER)))
-    if args.full_state:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(full, args.output / "full_state.pt")
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if args.full_state and rank == 0:
+        torch.save(full, args.output / "full_state.pt")
+    fsdp1_keys: list[str] = []
+    if args.fsdp1:  # every rank needs the full weights to build the FSDP1 copy (`full` is on rank 0 only)
+        fsdp1_keys = save_fsdp1({k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sharded.items()}, args)
     if rank == 0:
         info = {
             "world_size": world,
             "sharding": "fully_shard",
             "dtensor_keys": sorted(k for k, v in sharded.items() if isinstance(v, DTensor)),
             "plain_keys": sorted(k for k, v in sharded.items() if not isinstance(v, DTensor)),
+            "fsdp1_sharded_tensor_keys": fsdp1_keys,
             "pid": os.getpid(),
         }
         (args.output / "info.json").write_text(json.dumps(info, indent=1))
