@@ -1,0 +1,445 @@
+"""A SageMaker training job's lifecycle: submit, follow (status and CloudWatch logs), stop, report.
+
+`run_job(plan, ...)` is what `execute()` calls for a SageMaker plan. It builds the job with the SageMaker
+SDK 3 (`ModelTrainer`: the SDK uploads the source folder and its drivers to S3 and calls
+CreateTrainingJob), then follows it with plain boto3 calls: DescribeTrainingJob every few seconds and the
+job's log streams (`/aws/sagemaker/TrainingJobs`, `<job>/algo-N-...`) into `on_line`, labelled `algo-N`.
+A deadline, Ctrl-C, SIGTERM or a Prefect cancellation stops the job (StopTrainingJob) before the
+exception goes on; the job's name is recorded in a state file so the flow's cancellation hook can stop
+it too (`stop_recorded_jobs`). A failed job's FailureReason becomes the LaunchError's message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from prefect_accelerate.errors import DependencyError, LaunchError, Terminated
+from prefect_accelerate.launchers import aws_credentials
+from prefect_accelerate.launchers.plan import REDACTED, LaunchPlan
+from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult
+from prefect_accelerate.launchers.sagemaker import SageMakerJobSpec
+from prefect_accelerate.launchers.state import new_run_dir, state_dir
+
+LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+#: seconds between status checks (SageMaker's own console refreshes about this often)
+POLL_SECONDS = 10.0
+TERMINAL = ("Completed", "Failed", "Stopped")
+TAIL_LINES = 200
+#: how long a stop waits for the job to leave InProgress before giving up watching (the stop was sent)
+STOP_WAIT_SECONDS = 15.0
+
+LineCallback = Callable[[str, str], None]
+
+
+class SageMakerJob(BaseModel):
+    """What SageMaker says about a training job."""
+
+    name: str
+    arn: str | None = None
+    region: str
+    status: str
+    secondary_status: str | None = None
+    failure_reason: str | None = None
+    model_artifacts: str | None = None
+    billable_seconds: int | None = None
+    training_seconds: int | None = None
+    image: str | None = None
+    instance_type: str | None = None
+    instance_count: int | None = None
+
+    @property
+    def console_url(self) -> str:
+        return f"https://{self.region}.console.aws.amazon.com/sagemaker/home?region={self.region}#/jobs/{self.name}"
+
+    @classmethod
+    def from_description(cls, data: dict[str, Any], region: str) -> SageMakerJob:
+        resources = data.get("ResourceConfig") or {}
+        return cls(
+            name=data["TrainingJobName"], arn=data.get("TrainingJobArn"), region=region, status=data.get("TrainingJobStatus", "Unknown"),
+            secondary_status=data.get("SecondaryStatus"), failure_reason=data.get("FailureReason"),
+            model_artifacts=(data.get("ModelArtifacts") or {}).get("S3ModelArtifacts"),
+            billable_seconds=data.get("BillableTimeInSeconds"), training_seconds=data.get("TrainingTimeInSeconds"),
+            image=(data.get("AlgorithmSpecification") or {}).get("TrainingImage"),
+            instance_type=resources.get("InstanceType"), instance_count=resources.get("InstanceCount"),
+        )
+
+
+class SageMakerLaunchResult(LaunchResult):
+    """A LaunchResult that also carries the training job (name, status, model artifacts, billable time)."""
+
+    job: SageMakerJob | None = None
+
+
+# ------------------------------------------------------------------------------------------------
+# State files for the cancellation hook (no secrets: the credentials' source only)
+
+
+def jobs_dir() -> Path:
+    return state_dir() / "sagemaker-jobs"
+
+
+def record_job(launch_id: str, data: dict[str, Any]) -> Path:
+    folder = jobs_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{launch_id}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**data, "host": socket.gethostname()}, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def forget_job(launch_id: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (jobs_dir() / f"{launch_id}.json").unlink()
+
+
+def stop_job(client, name: str) -> bool:
+    """StopTrainingJob; False (not an error) when the job has already finished."""
+    from botocore.exceptions import ClientError
+
+    try:
+        client.stop_training_job(TrainingJobName=name)
+        return True
+    except ClientError as error:
+        if error.response.get("Error", {}).get("Code") == "ValidationException":
+            return False  # "The job status is Completed/Failed/Stopped": nothing to stop
+        raise
+
+
+def stop_recorded_jobs(flow_run_id: str | None = None) -> list[str]:
+    """Hook helper: stop the SageMaker jobs recorded for `flow_run_id` (all recorded ones when None). Idempotent.
+
+    Jobs launched with flag keys are stopped with the environment's credentials (keys are never written down).
+    """
+    stopped: list[str] = []
+    folder = jobs_dir()
+    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if flow_run_id is not None and str(data.get("flow_run_id")) != str(flow_run_id):
+            continue
+        source = aws_credentials.CredentialSource.model_validate(data.get("credentials") or {"source": "environment"})
+        if source.source == "flags":
+            source = aws_credentials.CredentialSource(source="environment")
+        try:
+            session = aws_credentials.boto_session(source, data["region"])
+            if stop_job(session.client("sagemaker"), data["job_name"]):
+                stopped.append(data["job_name"])
+        except Exception as error:  # a hook must not fail on one job; say what was left running
+            print(f"prefect-accelerate: could not stop SageMaker job {data.get('job_name')}: {error}")
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    return stopped
+
+
+# ------------------------------------------------------------------------------------------------
+# Logs
+
+
+class LogFollower:
+    """Reads every `<job>/algo-N-...` stream of the job from where it stopped last time."""
+
+    def __init__(self, client, job_name: str) -> None:
+        self.client = client
+        self.job_name = job_name
+        self.tokens: dict[str, str | None] = {}
+
+    @staticmethod
+    def label(stream: str) -> str:
+        tail = stream.split("/", 1)[-1]
+        head, _, stamp = tail.rpartition("-")
+        return head if head and stamp.isdigit() else tail
+
+    def streams(self) -> list[str]:
+        from botocore.exceptions import ClientError
+
+        names: list[str] = []
+        kwargs: dict[str, Any] = {"logGroupName": LOG_GROUP, "logStreamNamePrefix": f"{self.job_name}/"}
+        try:
+            while True:
+                page = self.client.describe_log_streams(**kwargs)
+                names += [s["logStreamName"] for s in page.get("logStreams", [])]
+                if not page.get("nextToken"):
+                    return names
+                kwargs["nextToken"] = page["nextToken"]
+        except ClientError as error:
+            if error.response.get("Error", {}).get("Code") == "ResourceNotFoundException":
+                return names  # no logs yet: the group appears when the first instance starts
+            raise
+
+    def poll(self) -> list[tuple[str, str]]:
+        lines: list[tuple[str, str]] = []
+        for stream in self.streams():
+            while True:
+                kwargs: dict[str, Any] = {"logGroupName": LOG_GROUP, "logStreamName": stream, "startFromHead": True}
+                if self.tokens.get(stream):
+                    kwargs["nextToken"] = self.tokens[stream]
+                page = self.client.get_log_events(**kwargs)
+                events = page.get("events", [])
+                lines += [(self.label(stream), e.get("message", "").rstrip("\n")) for e in events]
+                token = page.get("nextForwardToken")
+                done = not events or token == self.tokens.get(stream)
+                self.tokens[stream] = token
+                if done:
+                    break
+        return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# Submit and watch
+
+
+def _import_sdk():
+    try:
+        with warnings.catch_warnings():  # the SDK's own ModelTrainer imports its deprecated configs shim
+            warnings.filterwarnings("ignore", message="sagemaker.train.configs has been moved", category=DeprecationWarning)
+            from sagemaker.train import ModelTrainer
+        from sagemaker.core.helper.session_helper import Session
+        from sagemaker.core.training.configs import (
+            CheckpointConfig,
+            Compute,
+            InputData,
+            Networking,
+            OutputDataConfig,
+            SourceCode,
+            StoppingCondition,
+        )
+        from sagemaker.train.distributed import MPI, Torchrun
+    except ImportError:
+        raise DependencyError.missing("sagemaker", "sagemaker", "Launching a SageMaker training job") from None
+    return locals()
+
+
+def role_arn(role: str, session) -> str:
+    """The role as an ARN (SDK 3 needs one; Accelerate's config holds a name, which SDK 2 expanded)."""
+    if role.startswith("arn:"):
+        return role
+    account = session.client("sts").get_caller_identity()["Account"]
+    partition = "aws-cn" if session.region_name.startswith("cn-") else "aws-us-gov" if session.region_name.startswith("us-gov-") else "aws"
+    return f"arn:{partition}:iam::{account}:role/{role}"
+
+
+def build_trainer(spec: SageMakerJobSpec, session, secret_env: dict[str, str]):
+    """The ModelTrainer for `spec` (SDK objects only; nothing is sent yet)."""
+    sdk = _import_sdk()
+    bucket, prefix = None, None
+    if spec.code_location:
+        bucket, _, prefix = spec.code_location.removeprefix("s3://").partition("/")
+    sm_session = sdk["Session"](boto_session=session, default_bucket=bucket, default_bucket_prefix=prefix or None)
+    distributed = None
+    if spec.distribution and "torchrun" in spec.distribution:
+        distributed = sdk["Torchrun"](**{k: v for k, v in spec.distribution["torchrun"].items() if v is not None})
+    elif spec.distribution and "mpi" in spec.distribution:
+        distributed = sdk["MPI"](**{k: v for k, v in spec.distribution["mpi"].items() if v is not None})
+    environment = {**spec.environment, **secret_env}
+    kwargs: dict[str, Any] = dict(
+        sagemaker_session=sm_session, role=role_arn(spec.role, session), base_job_name=spec.base_job_name,
+        training_image=spec.image_uri,
+        source_code=sdk["SourceCode"](source_dir=spec.source_dir, entry_script=spec.entry_script, requirements=spec.requirements),
+        compute=sdk["Compute"](instance_type=spec.instance_type, instance_count=spec.instance_count, **spec.compute),
+        distributed=distributed, environment=environment, hyperparameters=dict(spec.hyperparameters),
+    )
+    if spec.stopping_condition:
+        kwargs["stopping_condition"] = sdk["StoppingCondition"](**spec.stopping_condition)
+    if spec.networking:
+        kwargs["networking"] = sdk["Networking"](**spec.networking)
+    if spec.output_path or spec.output_kms_key or spec.output_compression:
+        kwargs["output_data_config"] = sdk["OutputDataConfig"](
+            s3_output_path=spec.output_path, kms_key_id=spec.output_kms_key, compression_type=spec.output_compression)
+    if spec.checkpoint_s3_uri:
+        kwargs["checkpoint_config"] = sdk["CheckpointConfig"](s3_uri=spec.checkpoint_s3_uri, local_path=spec.checkpoint_local_path)
+    if spec.training_input_mode:
+        kwargs["training_input_mode"] = spec.training_input_mode
+    if spec.tags:
+        kwargs["tags"] = [{"key": t["Key"], "value": t["Value"]} for t in spec.tags]
+    trainer = sdk["ModelTrainer"](**kwargs)
+    inputs = [sdk["InputData"](channel_name=name, data_source=location) for name, location in spec.inputs.items()]
+    return trainer, inputs
+
+
+def submit(spec: SageMakerJobSpec, session, secret_env: dict[str, str]) -> str:
+    """Create the job; returns its name (read from the CreateTrainingJob request the SDK sent)."""
+    trainer, inputs = build_trainer(spec, session, secret_env)
+    sent: dict[str, Any] = {}
+
+    def capture(params, **kwargs):  # noqa: ARG001 - botocore's event signature
+        sent["name"] = params.get("TrainingJobName")
+
+    session.events.register("provide-client-params.sagemaker.CreateTrainingJob", capture)
+    try:
+        trainer.train(input_data_config=inputs or None, wait=False, logs=False)
+    finally:
+        session.events.unregister("provide-client-params.sagemaker.CreateTrainingJob", capture)
+    name = sent.get("name") or getattr(getattr(trainer, "_latest_training_job", None), "training_job_name", None)
+    if not name:
+        raise LaunchError("The SageMaker SDK returned without creating a training job (no CreateTrainingJob call was made).")
+    return name
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception():
+    """In the main thread of a process without its own SIGTERM handler (the plain CLI), SIGTERM -> Terminated."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum, frame):  # noqa: ARG001
+        raise Terminated(signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class _Output:
+    """Labelled lines to the callback, the log file and the tail, with secrets redacted."""
+
+    def __init__(self, on_line: LineCallback | None, log_path: Path, secrets: list[str]) -> None:
+        self.on_line = on_line
+        self.log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
+
+    def __call__(self, label: str, line: str) -> None:
+        for secret in self.secrets:
+            line = line.replace(secret, REDACTED)
+        self.log.write(f"[{label}] {line}\n")
+        self.log.flush()
+        self.tail.append(line)
+        if self.on_line is not None:
+            with contextlib.suppress(Exception):
+                self.on_line(label, line)
+
+    def close(self) -> None:
+        self.log.close()
+
+
+def watch(sm, logs, name: str, output: Callable[[str, str], None], *, deadline: float | None,
+          poll_seconds: float = POLL_SECONDS, sleep: Callable[[float], None] = time.sleep) -> tuple[dict[str, Any], bool]:
+    """Follow the job until it ends or the deadline passes: (last description, timed out)."""
+    follower = LogFollower(logs, name)
+    last_status = None
+    while True:
+        description = sm.describe_training_job(TrainingJobName=name)
+        for label, line in follower.poll():
+            output(label, line)
+        status = (description.get("TrainingJobStatus"), description.get("SecondaryStatus"))
+        if status != last_status:
+            output("sagemaker", f"{name}: {status[0]} ({status[1]})")
+            last_status = status
+        if status[0] in TERMINAL:
+            return description, False
+        if deadline is not None and time.monotonic() >= deadline:
+            return description, True
+        sleep(poll_seconds)
+
+
+def stop_and_wait(sm, name: str, output: Callable[[str, str], None], *, wait_seconds: float = STOP_WAIT_SECONDS,
+                  sleep: Callable[[float], None] = time.sleep) -> dict[str, Any] | None:
+    """Send StopTrainingJob, then give the job a moment to leave InProgress; its last description, if any."""
+    output("sagemaker", f"Stopping training job {name}")
+    stop_job(sm, name)
+    end = time.monotonic() + wait_seconds
+    description = None
+    while time.monotonic() < end:
+        description = sm.describe_training_job(TrainingJobName=name)
+        if description.get("TrainingJobStatus") in TERMINAL:
+            break
+        sleep(min(2.0, max(end - time.monotonic(), 0)))
+    return description
+
+
+def run_job(
+    plan: LaunchPlan,
+    *,
+    on_line: LineCallback | None = None,
+    timeout: float | None = None,
+    grace: float = STOP_WAIT_SECONDS,
+    flow_run_id: str | None = None,
+    task_run_id: str | None = None,
+    poll_seconds: float = POLL_SECONDS,
+    sleep: Callable[[float], None] = time.sleep,
+) -> SageMakerLaunchResult:
+    """Submit the plan's job and follow it to the end (or the deadline). Interrupts stop the job and re-raise.
+
+    Returns:
+        A SageMakerLaunchResult: exit code 0 for Completed, 1 for Failed or Stopped (FailureReason in
+        `error`), 124 at the deadline (the job was stopped). Call `raise_for_failure()` for a LaunchError.
+    """
+    spec = SageMakerJobSpec.model_validate(plan.request)
+    run_dir = Path(plan.run_dir) if plan.run_dir else new_run_dir("sagemaker")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    launch_id = run_dir.name
+    handle = spec.handle
+    secret_env = {k: v.get_secret_value() for k, v in aws_credentials.secret_environment(handle).items()}
+    missing = [name for name in spec.secret_environment if name not in secret_env]
+    if missing:
+        raise LaunchError(
+            f"The job's secret variables {', '.join(missing)} are not available in this process: secrets are never stored in "
+            "plans. Plan and launch in the same process, or give them to the job another way (e.g. AWS Secrets Manager)."
+        )
+    output = _Output(on_line, run_dir / "launch.log", aws_credentials.secret_values(handle))
+    started = time.monotonic()
+    name: str | None = None
+    timed_out = False
+    try:
+        session = aws_credentials.boto_session(spec.credentials, spec.region)
+        sm, logs = session.client("sagemaker"), session.client("logs")
+        with _sigterm_as_exception():
+            output("sagemaker", f"Submitting a training job {spec.base_job_name}-* ({spec.instance_count} x {spec.instance_type}, image {spec.image_uri})")
+            name = submit(spec, session, secret_env)
+            record_job(launch_id, {"job_name": name, "region": spec.region, "credentials": spec.credentials.model_dump(),
+                                   "flow_run_id": flow_run_id, "task_run_id": task_run_id, "started_at": time.time()})
+            output("sagemaker", f"Training job {name} created; console: {SageMakerJob(name=name, region=spec.region, status='?').console_url}")
+            deadline = started + timeout if timeout else None
+            description, timed_out = watch(sm, logs, name, output, deadline=deadline, poll_seconds=poll_seconds, sleep=sleep)
+            if timed_out:
+                description = stop_and_wait(sm, name, output, wait_seconds=min(grace, STOP_WAIT_SECONDS), sleep=sleep) or description
+    except BaseException:
+        if name is not None:  # Ctrl-C, SIGTERM, Prefect cancellation, or an error while watching
+            with contextlib.suppress(Exception):
+                stop_and_wait(sm, name, output, wait_seconds=min(grace, STOP_WAIT_SECONDS), sleep=sleep)
+        raise
+    finally:
+        if name is not None:
+            forget_job(launch_id)
+        aws_credentials.forget(handle)
+        output.close()
+
+    job = SageMakerJob.from_description(description, spec.region)
+    if timed_out:
+        code, error = TIMEOUT_EXIT_CODE, f"training job {name} was stopped at the deadline ({timeout} s)"
+    elif job.status == "Completed":
+        code, error = 0, None
+    else:
+        code = 1
+        error = f"training job {name} {job.status.lower()}: {job.failure_reason or 'no reason given'} (console: {job.console_url})"
+    if job.model_artifacts and code == 0:
+        output_line = f"You can find your model data at: {job.model_artifacts}"
+        output.tail.append(output_line)
+        if on_line is not None:
+            with contextlib.suppress(Exception):
+                on_line("sagemaker", output_line)
+    return SageMakerLaunchResult(
+        launcher="sagemaker", command=f"training job {name}: {plan.command_line()}", exit_code=code, launcher_exit_code=code,
+        error=error, duration_s=round(time.monotonic() - started, 3), run_dir=str(run_dir), log_path=str(run_dir / "launch.log"),
+        tail=list(output.tail)[-40:], timed_out=timed_out, job=job,
+    )
