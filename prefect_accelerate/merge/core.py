@@ -42,8 +42,9 @@ from prefect_accelerate.merge.staging import (
 
 #: safetensors metadata Accelerate (and transformers) write; `from_pretrained` checks it
 SAFETENSORS_METADATA = {"format": "pt"}
-#: how many bytes of tensors are read from the checkpoint at a time when streaming a safetensors file
-READ_GROUP_BYTES = 256 << 20
+#: how many bytes of tensors are read from the checkpoint at a time when streaming a safetensors file;
+#: on a 200 MB checkpoint 16-64 MiB groups merged as fast as 256 MiB ones or faster, with less memory
+READ_GROUP_BYTES = 64 << 20
 
 
 def merge_weights(
