@@ -23,7 +23,7 @@ from prefect_accelerate.launchers.execute import execute
 from prefect_accelerate.launchers.options import build_launch_options
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
-from aws import MotoServer, sdk_environment  # noqa: E402
+from moto_aws import MotoServer, sdk_environment  # noqa: E402
 from netguard import guarded  # noqa: E402
 
 pytestmark = pytest.mark.slow
