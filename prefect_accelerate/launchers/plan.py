@@ -41,6 +41,8 @@ class LaunchPlan(BaseModel):
     files: dict[str, str] = Field(default_factory=dict)
     #: for remote engines (SageMaker): the job request, JSON-able, secrets already left out
     request: dict[str, Any] | None = None
+    #: the master port was not asked for (Accelerate's default 29500); it may be swapped for a free one
+    implicit_port: bool = False
 
     def is_secret(self, name: str) -> bool:
         return name in self.secret_env or name in SECRET_ENV_NAMES

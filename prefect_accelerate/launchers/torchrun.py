@@ -145,4 +145,5 @@ def plan_torchrun(options, host: HostProbe, cwd: str, run_dir: str | None, *, cp
         run_dir=run_dir,
         warnings=tuple(warnings),
         notes=tuple(options.notes) + tuple(notes),
+        implicit_port=options.main_process_port is None and int(options.num_machines) <= 1,
     )

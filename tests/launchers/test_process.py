@@ -154,3 +154,23 @@ def test_split_rank_reads_torchrun_prefixes():
     assert split_rank("[default3]:hello", "torchrun") == ("rank 3", "hello")
     assert split_rank("[trainer12]:x: y", "torchrun") == ("rank 12", "x: y")
     assert split_rank("plain line", "torchrun") == ("torchrun", "plain line")
+
+
+def test_a_default_port_taken_after_planning_is_retried_on_a_free_port(tmp_path, monkeypatch):
+    from prefect_accelerate.launchers.execute import execute
+
+    monkeypatch.setenv("WORKER_MODE", "allreduce")
+    options = build_launch_options(WORKER, cpu=True, num_processes=2, mixed_precision="no", num_machines=1, dynamo_backend="no")
+    plan = plan_launch(options)
+    with socket.socket() as squatter:  # someone takes the port between planning and launching
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        argv = list(plan.argv)
+        argv[argv.index("--master_port") + 1] = str(taken)
+        plan = plan.model_copy(update={"argv": tuple(argv)})
+        assert plan.implicit_port
+        lines: list[str] = []
+        result = execute(plan, on_line=lambda label, line: lines.append(line))
+    assert result.succeeded, result.tail
+    assert any(f"port {taken} was taken meanwhile" in line for line in lines)
