@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from prefect_accelerate.cli.tracking import add_tracking_flags, should_track
 
@@ -40,6 +41,8 @@ def run(args: argparse.Namespace) -> int:
             created = write_default_config(config_file, args.mixed_precision)
             print(created.message())
         loaded = load_config_file(config_file)
+        if loaded.location.source != "passed":
+            print(loaded.location.describe(), file=sys.stderr)
         report = collect_env_report(str(loaded.path) if loaded.location.source == "passed" else None)
     print(render_text(report))
     return 0
