@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect_accelerate.errors import MergeError
-from prefect_accelerate.merge.layout import METADATA_FILE, OPTIMIZER_FOLDER_RE, locate_checkpoint, sibling_model_folder
+from prefect_accelerate.merge.layout import METADATA_FILE, OPTIMIZER_FOLDER_RE, locate_checkpoint
 
 _OPTIMIZER_KEYS = {"state", "param_groups"}
 _SHOWN = 5
@@ -36,6 +36,9 @@ class CheckpointEntry:
     dtype: str | None  # torch dtype name without "torch.", e.g. "bfloat16"
     shape: tuple[int, ...] = ()
     nbytes: int = 0
+    #: where it sits in the saved state dict below the unwrapped level: ("embed.weight",) for a model,
+    #: ("state", "head.bias", "exp_avg") or ("param_groups", 0, "lr") for optimizer state
+    path: tuple[str | int, ...] = ()
 
     @property
     def is_tensor(self) -> bool:
@@ -51,6 +54,13 @@ class Checkpoint:
     unwrapped_key: str | None
     shard_files: tuple[str, ...]
     metadata: Any = field(repr=False, compare=False)
+    #: the entries are an optimizer's `state` and `param_groups` (Accelerate's `optimizer_<i>` folder)
+    holds_optimizer_state: bool = False
+
+    @property
+    def nested(self) -> bool:
+        """True when the state dict has levels below the unwrapped one (optimizer state, custom dicts)."""
+        return any(len(e.path) > 1 for e in self.entries)
 
     @property
     def tensors(self) -> list[CheckpointEntry]:
@@ -71,7 +81,7 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     `.metadata` is a pickle (as in every DCP checkpoint): open only checkpoints you trust.
 
     Raises:
-        MergeError: wrong folder, unreadable `.metadata`, missing or truncated shard files, optimizer state.
+        MergeError: wrong folder, unreadable `.metadata`, missing or truncated shard files.
     """
     folder = locate_checkpoint(path)
     metadata = read_metadata(folder)
@@ -86,11 +96,11 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     paths = _entry_paths(metadata)
     unwrapped = _single_top_level_key(paths)
     level = 1 if unwrapped is not None else 0
-    _refuse_optimizer_state(folder, paths, level)
     entries = tuple(_entry(key, md, paths[key][level:]) for key, md in entries_md.items())
     _refuse_name_clashes(folder, entries)
     shard_files = _check_storage(folder, metadata)
-    return Checkpoint(folder=folder, entries=entries, unwrapped_key=unwrapped, shard_files=shard_files, metadata=metadata)
+    return Checkpoint(folder=folder, entries=entries, unwrapped_key=unwrapped, shard_files=shard_files, metadata=metadata,
+                      holds_optimizer_state=_looks_like_optimizer_state(folder, entries))
 
 
 def read_metadata(folder: Path) -> Any:
@@ -157,51 +167,42 @@ def _reader(checkpoint: Checkpoint) -> Any:
     return KnownMetadataReader(str(checkpoint.folder))
 
 
-def _entry_paths(metadata: Any) -> dict[str, tuple[str, ...]]:
-    """The nested-dict path of each key: ("model", "embed.weight") for "model.embed.weight"."""
+def _entry_paths(metadata: Any) -> dict[str, tuple[str | int, ...]]:
+    """The nested-dict path of each key: ("model", "embed.weight") for "model.embed.weight" (ints index lists)."""
     planner_data = getattr(metadata, "planner_data", None) or {}
-    paths: dict[str, tuple[str, ...]] = {}
+    paths: dict[str, tuple[str | int, ...]] = {}
     for key in metadata.state_dict_metadata:
         path = planner_data.get(key)
-        paths[key] = tuple(str(p) for p in path) if isinstance(path, (tuple, list)) and path else (key,)
+        ok = isinstance(path, (tuple, list)) and path and all(isinstance(p, (str, int)) for p in path)
+        paths[key] = tuple(path) if ok else (key,)
     return paths
 
 
-def _single_top_level_key(paths: dict[str, tuple[str, ...]]) -> str | None:
+def _single_top_level_key(paths: dict[str, tuple[str | int, ...]]) -> str | None:
     """Accelerate unwraps `{"model": {...}}`; a lone top-level tensor is not a level to unwrap."""
     tops = {path[0] for path in paths.values()}
     if len(tops) != 1 or any(len(path) < 2 for path in paths.values()):
         return None
-    return next(iter(tops))
+    return str(next(iter(tops)))
 
 
-def _refuse_optimizer_state(folder: Path, paths: dict[str, tuple[str, ...]], level: int) -> None:
-    firsts = {path[level] for path in paths.values() if len(path) > level}
-    looks_like_optimizer = bool(firsts) and firsts <= _OPTIMIZER_KEYS
-    if not looks_like_optimizer or ("state" not in firsts and not OPTIMIZER_FOLDER_RE.match(folder.name)):
-        return
-    model = sibling_model_folder(folder)
-    where = (
-        f"Pass the model folder saved beside it: {model}"
-        if model is not None
-        else "Pass the `pytorch_model_fsdp_<i>` folder Accelerate's `save_state` wrote beside it"
-    )
-    raise MergeError(
-        f"{folder} holds optimizer state ({len(paths)} entries under `state` and `param_groups`), not model weights. "
-        f"{where} (merging optimizer state into a weights file is not supported)."
-    )
+def _looks_like_optimizer_state(folder: Path, entries: tuple[CheckpointEntry, ...]) -> bool:
+    firsts = {e.path[0] for e in entries if e.path}
+    if not firsts or not firsts <= _OPTIMIZER_KEYS:
+        return False
+    return "state" in firsts or bool(OPTIMIZER_FOLDER_RE.match(folder.name))
 
 
-def _entry(key: str, md: Any, path: tuple[str, ...]) -> CheckpointEntry:
+def _entry(key: str, md: Any, path: tuple[str | int, ...]) -> CheckpointEntry:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    name = ".".join(path) or key
+    name = ".".join(str(p) for p in path) or key
     if isinstance(md, TensorStorageMetadata):
         shape = tuple(int(s) for s in md.size)
         dtype = md.properties.dtype
         itemsize = dtype.itemsize if hasattr(dtype, "itemsize") else _itemsize(dtype)
-        return CheckpointEntry(key, name, str(dtype).removeprefix("torch."), shape, math.prod(shape) * itemsize)
-    return CheckpointEntry(key, name, None)
+        return CheckpointEntry(key, name, str(dtype).removeprefix("torch."), shape, math.prod(shape) * itemsize, path)
+    return CheckpointEntry(key, name, None, path=path)
 
 
 def _itemsize(dtype: Any) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from prefect_accelerate.errors import MergeError
 from prefect_accelerate.merge.checkpoint import Checkpoint, open_checkpoint
-from prefect_accelerate.merge.layout import METADATA_FILE, SHARD_SUFFIX
+from prefect_accelerate.merge.layout import METADATA_FILE, SHARD_SUFFIX, sibling_model_folder
 from prefect_accelerate.merge.safetensors_file import unsupported_dtypes
 from prefect_accelerate.merge.shards import DEFAULT_MAX_SHARD_SIZE, format_size, parse_size
 
@@ -37,8 +37,26 @@ def check_merge(
     if remove_checkpoint_dir:
         check_removable(checkpoint.folder)
     if not unsafe_serialization:
+        check_not_optimizer_state(checkpoint)
         check_safetensors_can_hold(checkpoint)
     return checkpoint
+
+
+def check_not_optimizer_state(checkpoint: Checkpoint) -> None:
+    """Optimizer state is not weights; a safetensors file cannot hold it (Accelerate fails there too)."""
+    if not checkpoint.holds_optimizer_state:
+        return
+    model = sibling_model_folder(checkpoint.folder)
+    where = (
+        f"Pass the model folder saved beside it: {model}"
+        if model is not None
+        else "Pass the `pytorch_model_fsdp_<i>` folder Accelerate's `save_state` wrote beside it"
+    )
+    raise MergeError(
+        f"{checkpoint.folder} holds optimizer state ({len(checkpoint.entries)} entries under `state` and `param_groups`), "
+        f"not model weights. {where}. To consolidate the optimizer state itself, add --unsafe_serialization: it is "
+        "written as one full optimizer state dict to pytorch_model.bin, as Accelerate does."
+    )
 
 
 def check_output(output: Path, checkpoint: Path, remove: bool) -> None:

@@ -20,8 +20,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from prefect_accelerate.errors import MergeError
 from prefect_accelerate.merge.checkpoint import Checkpoint, CheckpointEntry, load_entries
@@ -84,6 +85,10 @@ def merge_weights(
     checkpoint = check_merge(checkpoint_dir, output_dir, unsafe_serialization=unsafe_serialization,
                              remove_checkpoint_dir=remove_checkpoint_dir, max_shard_size=max_shard_size)
     output = Path(output_dir).expanduser()
+    if fmt == "bin" and checkpoint.nested:
+        # a nested state dict (optimizer state) is rebuilt as saved, as Accelerate does; an index cannot
+        # point into nesting, so it stays one file
+        shard_limit = max(shard_limit, checkpoint.total_bytes + 1)
     files = plan_files(checkpoint.entries, fmt, shard_limit)
     index = INDEX_NAMES[fmt] if len(files) > 1 else None
     tracker = _Tracker(on_progress, checkpoint, started)
@@ -124,6 +129,7 @@ def merge_weights(
         index_file=index,
         replaced_files=replaced,
         verified=True,
+        optimizer_state=checkpoint.holds_optimizer_state,
         checkpoint_removed=removed,
         duration_s=round(time.monotonic() - started, 3),
     )
@@ -215,8 +221,8 @@ def _write_bin(checkpoint: Checkpoint, out: OutputFile, path: Path, tracker: _Tr
     import torch
 
     loaded = load_entries(checkpoint, out.entries)  # torch.save needs the whole file's dict at once
-    state = {e.name: loaded.pop(e.key) for e in out.entries}
-    sums = {name: checksum(tensor_bytes(value)) for name, value in state.items() if isinstance(value, torch.Tensor)}
+    sums = {e.name: checksum(tensor_bytes(loaded[e.key])) for e in out.entries if isinstance(loaded[e.key], torch.Tensor)}
+    state = _nest((e.path, loaded.pop(e.key)) for e in out.entries)
     with open(path, "wb") as file:
         torch.save(state, file)
         file.flush()
@@ -257,18 +263,54 @@ def _verify_bin(path: Path, out: OutputFile, sums: dict[str, int], tracker: _Tra
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=not has_objects)
     except Exception as error:
         raise _verify_error(path, f"it cannot be loaded ({type(error).__name__}: {error})") from error
-    if not isinstance(state, dict) or set(state) != {e.name for e in out.entries}:
+    if not isinstance(state, dict) or set(state) != {e.path[0] for e in out.entries}:
         raise _verify_error(path, "its keys differ from what was written")
     for entry in out.entries:
+        try:
+            value = _lookup(state, entry.path)
+        except (KeyError, IndexError, TypeError):
+            raise _verify_error(path, f"{entry.name!r} is missing") from None
         if not entry.is_tensor:
             continue
-        value = state[entry.name]
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != entry.shape or str(value.dtype) != f"torch.{entry.dtype}":
             raise _verify_error(path, f"{entry.name!r} reads back as something else")
         if checksum(tensor_bytes(value)) != sums[entry.name]:
             raise _verify_error(path, f"the bytes of {entry.name!r} differ from what was written")
     del state
     tracker.checked(out.nbytes, out.name)
+
+
+def _nest(items: Iterable[tuple[tuple[str | int, ...], Any]]) -> dict[Any, Any]:
+    """Rebuild the saved structure from (path, value) pairs: dicts, and lists where a path step is an int."""
+    root: dict[Any, Any] = {}
+    for path, value in items:
+        node: Any = root
+        for part, following in zip(path, path[1:]):
+            child = _child(node, part)
+            if child is None:
+                child = [] if isinstance(following, int) else {}
+                _put(node, part, child)
+            node = child
+        _put(node, path[-1], value)
+    return root
+
+
+def _child(node: Any, part: str | int) -> Any:
+    if isinstance(node, list):
+        return node[part] if isinstance(part, int) and part < len(node) else None
+    return node.get(part)
+
+
+def _put(node: Any, part: str | int, value: Any) -> None:
+    if isinstance(node, list):
+        node.extend([None] * (int(part) + 1 - len(node)))
+    node[part] = value
+
+
+def _lookup(state: Any, path: tuple[str | int, ...]) -> Any:
+    for part in path:
+        state = state[part]
+    return state
 
 
 def _verify_error(path: Path, what: str) -> MergeError:

@@ -38,6 +38,7 @@ class MergeResult(BaseModel):
     index_file: str | None = None
     replaced_files: list[str] = Field(default_factory=list, description="older outputs of the same format removed")
     verified: bool = True
+    optimizer_state: bool = Field(default=False, description="the checkpoint held optimizer state, written nested to a .bin")
     checkpoint_removed: bool = False
     duration_s: float
 
@@ -62,8 +63,9 @@ class MergeResult(BaseModel):
             if self.index_file is None
             else f"{len(weight_files)} shards in {self.output_dir} (index {self.index_file})"
         )
+        what = "optimizer state: " if self.optimizer_state else ""
         lines = [
-            f"Merged {len(self.tensors)} tensors ({dtypes}; {format_size(self.total_bytes)}) from {self.checkpoint_dir} "
+            f"Merged {what}{len(self.tensors)} tensors ({dtypes}; {format_size(self.total_bytes)}) from {self.checkpoint_dir} "
             f"into {where} in {self.duration_s:.1f} s; every file was read back and checked."
         ]
         if self.objects:

@@ -115,6 +115,34 @@ def test_the_optimizer_folder_is_refused_and_the_model_folder_named(fsdp_checkpo
         merge_weights(fsdp_checkpoint / "optimizer_0", tmp_path / "out")
 
 
+def test_the_optimizer_folder_with_unsafe_serialization_matches_accelerate(fsdp_checkpoint, tmp_path):
+    from accelerate.utils import merge_fsdp_weights
+
+    merge_fsdp_weights(str(fsdp_checkpoint / "optimizer_0"), str(tmp_path / "accelerate"), safe_serialization=False)
+    result = merge_weights(fsdp_checkpoint / "optimizer_0", tmp_path / "ours", unsafe_serialization=True)
+    theirs = torch.load(tmp_path / "accelerate" / "pytorch_model.bin", weights_only=False)
+    ours = torch.load(tmp_path / "ours" / "pytorch_model.bin", weights_only=False)
+    assert result.optimizer_state and list(ours) == ["state", "param_groups"]
+    assert_same_nested(ours, theirs)
+    assert sorted(ours["state"]) == json.loads((fsdp_checkpoint / "info.json").read_text())["dtensor_keys"]  # the parameters
+
+
+def assert_same_nested(ours, theirs) -> None:
+    assert type(ours) is type(theirs)
+    if isinstance(theirs, torch.Tensor):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    elif isinstance(theirs, dict):
+        assert list(ours) == list(theirs)
+        for key in theirs:
+            assert_same_nested(ours[key], theirs[key])
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            assert_same_nested(a, b)
+    else:
+        assert ours == theirs
+
+
 def test_the_save_state_folder_itself_names_pytorch_model_fsdp_0(fsdp_checkpoint, tmp_path):
     with pytest.raises(MergeError, match=f"Pass the model weights folder instead: {fsdp_checkpoint / 'pytorch_model_fsdp_0'}"):
         merge_weights(fsdp_checkpoint, tmp_path / "out")

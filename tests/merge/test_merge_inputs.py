@@ -78,8 +78,21 @@ def test_optimizer_folder_is_refused_and_the_model_folder_beside_it_named(make_c
                      "param_groups": [{"lr": 0.1, "params": ["embed.weight"]}]}, wrap="optimizer", where="opt")
     (tmp_path / "opt" / "pytorch_model_fsdp_0").rename(optimizer)
     message = merge_error(optimizer, tmp_path / "out")
-    assert "holds optimizer state" in message and f"Pass the model folder saved beside it: {model}" in message
+    assert "holds optimizer state" in message and f"Pass the model folder saved beside it: {model}." in message
+    assert "--unsafe_serialization" in message
     assert not (tmp_path / "out").exists()
+
+
+def test_optimizer_state_with_unsafe_serialization_is_one_nested_state_dict_like_accelerates(make_checkpoint, tmp_path):
+    optimizer = {"state": {"w": {"exp_avg": torch.full((3,), 2.0), "step": torch.tensor(4.0)}},
+                 "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}]}
+    folder = make_checkpoint(optimizer, wrap="optimizer", where="opt")
+    result = merge_weights(folder, tmp_path / "out", unsafe_serialization=True, max_shard_size=1)  # never sharded
+    merged = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=False)
+    assert result.optimizer_state and result.files == ["pytorch_model.bin"]
+    assert merged["param_groups"] == [{"lr": 0.1, "betas": (0.9, 0.99), "params": ["w"]}]
+    assert torch.equal(merged["state"]["w"]["exp_avg"], torch.full((3,), 2.0)) and merged["state"]["w"]["step"] == 4.0
+    assert result.message().startswith("Merged optimizer state: 2 tensors")
 
 
 def test_file_inside_a_checkpoint_points_to_its_folder(make_checkpoint, tmp_path):
@@ -168,8 +181,8 @@ def test_non_tensor_entries_need_unsafe_serialization(make_checkpoint, tmp_path)
     message = merge_error(folder, tmp_path / "out")
     assert "non-tensor entries" in message and "--unsafe_serialization" in message
     result = merge_weights(folder, tmp_path / "out", unsafe_serialization=True)
-    loaded = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=False)
-    assert loaded["config.hidden"] == 8 and loaded["name"] == "tiny" and torch.equal(loaded["weight"], torch.ones(2))
+    loaded = torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=False)  # nested as saved, as Accelerate
+    assert loaded["config"] == {"hidden": 8} and loaded["name"] == "tiny" and torch.equal(loaded["weight"], torch.ones(2))
     assert sorted(result.objects) == ["config.hidden", "name"]
 
 
