@@ -9,6 +9,7 @@ in this process (no process group), for the many tests that need a checkpoint bu
 from __future__ import annotations
 
 import shutil
+import socket
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -77,11 +78,18 @@ def fsdp_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp")
     out = root / "checkpoint"
     options = build_launch_options(
-        str(SCRIPTS / "make_checkpoint.py"), [str(out), "--fsdp1", str(root / "fsdp1")], cpu=True, num_processes=2, mixed_precision="no",
-        num_machines=1, dynamo_backend="no", run_dir=str(root / "launch"),
+        str(SCRIPTS / "make_checkpoint.py"), [str(out), "--fsdp1", str(root / "fsdp1")], cpu=True, num_processes=2,
+        mixed_precision="no", num_machines=1, dynamo_backend="no", main_process_port=_free_port(), run_dir=str(root / "launch"),
     )
     run_plan(plan_launch(options), timeout=240).raise_for_failure()
     return out
+
+
+def _free_port() -> int:
+    """Not 29500: other real-process tests may be running a rendezvous there at the same time."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture
