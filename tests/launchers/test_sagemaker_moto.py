@@ -65,6 +65,7 @@ def aws(moto, tmp_path, monkeypatch, hf_home):
     (tmp_path / "aws-credentials").write_text("[research]\naws_access_key_id = RESEARCHKEYID\naws_secret_access_key = research-secret\n")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "aws-credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))  # mlflow (a SageMaker SDK dependency) writes there
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     monkeypatch.delenv(aws_credentials.AWS_BLOCK_ENV, raising=False)
     monkeypatch.chdir(tmp_path)

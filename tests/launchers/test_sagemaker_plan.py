@@ -46,6 +46,7 @@ METRICS = "metric_name\tmetric_regex\nloss\tloss: ([0-9.]+)\naccuracy\taccuracy 
 def project(tmp_path, monkeypatch, hf_home):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(aws_credentials.AWS_BLOCK_ENV, raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))  # mlflow (a SageMaker SDK dependency) writes there
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "train.py").write_text("print('train')\n")
     (tmp_path / "inputs.tsv").write_text(INPUTS)

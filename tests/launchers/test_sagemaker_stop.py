@@ -27,7 +27,8 @@ NOW = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
 
 @pytest.fixture(autouse=True)
-def no_network(monkeypatch):
+def no_network(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "stub-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "stub-secret")
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
