@@ -6,7 +6,6 @@ and reports every job Completed at once).
 from __future__ import annotations
 
 import datetime as dt
-import json
 import sys
 from pathlib import Path
 
