@@ -28,6 +28,8 @@ _ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_ACCELERATE_STATE_DIR": str(_SESSION_ROOT / "state"),
+    "XDG_CONFIG_HOME": str(_SESSION_ROOT / "config"),  # mlflow (via sagemaker) writes telemetry state there
+    "MLFLOW_DISABLE_TELEMETRY": "true",
     "PYTHONPATH": os.pathsep.join(p for p in (str(SHIMS), os.environ.get("PYTHONPATH", "")) if p),
 }
 os.environ.update(_ENV)

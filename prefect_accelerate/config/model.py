@@ -22,6 +22,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    field_serializer,
     field_validator,
     model_serializer,
     model_validator,
@@ -572,6 +573,13 @@ class SageMakerConfig(BaseConfig):
     additional_args: dict[str, Any] | None = None
     dynamo_config: Annotated[DynamoSection, _section(DynamoSection)] = Field(default_factory=DynamoSection)
     enable_cpu_affinity: Flag = False
+
+    @field_serializer("additional_args", when_used="json")
+    def _additional_args_without_secrets(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # stored by Prefect as flow parameters and results: job environment secrets must not be
+        from prefect_accelerate.launchers.environment import redact_mapping
+
+        return None if value is None else redact_mapping(value)
 
     @field_validator("compute_environment")
     @classmethod

@@ -11,6 +11,13 @@ _EXPORTS = {
     "config_default_flow": "prefect_accelerate.flows.config",
     "config_update_flow": "prefect_accelerate.flows.config",
     "to_fsdp2_flow": "prefect_accelerate.flows.config",
+    "launch_flow": "prefect_accelerate.flows.launch",
+    "end_launch_processes": "prefect_accelerate.flows.launch",
+    "install_test_flow": "prefect_accelerate.flows.selftest",
+    "preflight": "prefect_accelerate.flows.pipeline",
+    "launch_training": "prefect_accelerate.flows.pipeline",
+    "validate_configs": "prefect_accelerate.flows.validate",
+    "tpu_config_flow": "prefect_accelerate.flows.tpu",
 }
 
 __all__ = list(_EXPORTS)

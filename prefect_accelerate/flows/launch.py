@@ -17,13 +17,22 @@ from prefect_accelerate.tasks.launch import launch
 
 
 def end_launch_processes(flow, flow_run, state) -> None:  # noqa: ARG001 - Prefect's hook signature
-    """Hook: end whatever the launches of this flow run left behind (idempotent)."""
+    """Hook: end whatever the launches of this flow run left behind (idempotent): local processes, remote jobs."""
     ended = end_recorded_launches(str(flow_run.id))
-    if ended:
+    stopped: list[str] = []
+    try:
+        from prefect_accelerate.launchers.sagemaker_job import stop_recorded_jobs
+
+        stopped = stop_recorded_jobs(str(flow_run.id))
+    except Exception as error:  # a hook must not fail the others; say why the job may still run
+        print(f"prefect-accelerate: could not stop recorded SageMaker jobs: {error}")
+    for what, items in (("leftover launch process(es)", ended), ("SageMaker job(s)", stopped)):
+        if not items:
+            continue
         try:
-            get_run_logger().warning("Ended %d leftover launch process(es): %s", len(ended), ended)
+            get_run_logger().warning("Ended %d %s: %s", len(items), what, items)
         except Exception:
-            print(f"prefect-accelerate: ended leftover launch processes {ended}")
+            print(f"prefect-accelerate: ended {what} {items}")
 
 
 def _flow_run_name() -> str:

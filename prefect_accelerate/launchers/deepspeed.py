@@ -74,7 +74,6 @@ JSON_OWNED_FIELDS = (
 #: characters Accelerate refuses in .deepspeed_env lines (DeepSpeed pastes them into a shell command)
 _FORBIDDEN_IN_ENV_FILE = (";", "\n", "<", ">", " ")
 #: names that look like credentials: never written to .deepspeed_env (they would reach remote command lines)
-_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.IGNORECASE)
 
 
 def installed_deepspeed_version() -> tuple[int, ...] | None:
@@ -91,15 +90,15 @@ def installed_deepspeed_version() -> tuple[int, ...] | None:
 def launcher_kind(options) -> str:
     """`torchrun` (one machine, or `standard`), else the DeepSpeed runner's launcher name."""
     launcher = str(options.deepspeed_multinode_launcher or "pdsh").lower()
+    if int(options.num_machines or 1) <= 1:
+        return "torchrun"  # the multi-node launcher is not used on one machine (as in Accelerate)
     if launcher not in LAUNCHER_CHOICES:
         raise UsageError(
             f"Unknown deepspeed_multinode_launcher {options.deepspeed_multinode_launcher!r}. Choose one of "
             f"{', '.join(LAUNCHER_CHOICES)} (standard runs torchrun on every machine; nossh runs DeepSpeed's runner "
             "on every machine without ssh)."
         )
-    if int(options.num_machines or 1) <= 1 or launcher == "standard":
-        return "torchrun"
-    return launcher
+    return "torchrun" if launcher == "standard" else launcher
 
 
 def _json_config(options, cwd: str) -> dict | None:
@@ -198,14 +197,16 @@ def _read_user_env_file(path: str) -> list[tuple[str, str]]:
 def env_file_content(env: dict[str, str], cwd: str) -> tuple[str, list[str], list[str]]:
     """`.deepspeed_env` for this launch: the user's ~/ and ./.deepspeed_env lines, then the launch's variables.
 
-    DS_ENV_FILE replaces DeepSpeed's own lookup, so the user's files are carried over (as DeepSpeed would
-    have read them, later lines winning). Returns (content, notes, warnings); values are never in warnings.
+    Our DS_ENV_FILE replaces DeepSpeed's own lookup (~/ then ./, of $DS_ENV_FILE when the user set it), so
+    the user's files are carried over as DeepSpeed would have read them, later lines winning. Returns
+    (content, notes, warnings); values never appear in notes or warnings.
     """
     entries: dict[str, str] = {}
     notes: list[str] = []
     warnings: list[str] = []
-    for folder in (os.path.expanduser("~"), os.path.abspath(cwd)):
-        path = os.path.join(folder, DS_ENV_FILE_NAME)
+    name = os.environ.get("DS_ENV_FILE") or DS_ENV_FILE_NAME  # the user's own choice of file, if any
+    paths = dict.fromkeys(os.path.join(folder, name) for folder in (os.path.expanduser("~"), os.path.abspath(cwd)))
+    for path in paths:
         found = _read_user_env_file(path) if os.path.isfile(path) else []
         if found:
             notes.append(f"{len(found)} line(s) of {path} are carried into this launch's {DS_ENV_FILE_NAME}.")
@@ -215,7 +216,7 @@ def env_file_content(env: dict[str, str], cwd: str) -> tuple[str, list[str], lis
     for key, value in entries.items():
         if not key or not value:
             continue  # nothing to carry: unset and empty read the same on the other side
-        if key in blocks.SECRET_ENV_NAMES or _SECRET_NAME.search(key):
+        if blocks.is_secret_name(key):
             secret.append(key)
         elif any(char in key + value for char in _FORBIDDEN_IN_ENV_FILE):
             skipped.append(key)
@@ -318,11 +319,14 @@ def _check_resources(options, launcher: str, cwd: str) -> tuple[list[str], list[
             f"layout from the hostfile and will start {world} process(es) on {len(active)} host(s). Make the hostfile "
             "(or filters) and --num_processes/--num_machines agree, or the world size is not what you asked for."
         )
-    if launcher == "slurm" and (include or exclude) and len({len(s) for s in active.values()}) > 1:
-        raise ConfigError(
-            "The slurm launcher needs the same number of processes on every host, but the filter leaves "
-            + ", ".join(f"{name} {len(slots)}" for name, slots in active.items()) + ". Filter whole hosts instead."
-        )
+    if launcher == "slurm" and (include or exclude):
+        uneven = len({len(slots) for slots in active.values()}) > 1
+        if uneven or any(slots != list(range(len(slots))) for slots in active.values()):
+            raise ConfigError(
+                "The slurm launcher places processes by count, so a filter must leave the first N slots of every "
+                "host, the same N everywhere; this one leaves "
+                + ", ".join(f"{name} slots {slots}" for name, slots in active.items()) + ". Filter whole hosts instead."
+            )
     return notes, warnings
 
 
@@ -350,6 +354,11 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
         raise DependencyError(
             f"The nossh launcher needs DeepSpeed 0.14.5 or newer (its --no_ssh flag); this environment has "
             f"{'.'.join(map(str, version))}. Upgrade DeepSpeed, or use the standard launcher."
+        )
+    if kind == "nossh" and not options.main_process_ip:
+        raise UsageError(
+            "The nossh launcher needs --main_process_ip (the address of the machine of rank 0): without it DeepSpeed "
+            "asks the first host over ssh, which nossh is meant to avoid."
         )
     _check_runner_backend(kind, host)
     notes, more_warnings = _check_resources(options, kind, cwd)

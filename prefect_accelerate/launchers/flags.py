@@ -195,6 +195,13 @@ def _flags() -> tuple[LaunchFlag, ...]:
         F("parallelism_config_sp_seq_length", ("--parallelism_config_sp_seq_length",), pc, "Sequence length for sequence parallelism.", type=str),
         F("parallelism_config_sp_seq_length_is_variable", ("--parallelism_config_sp_seq_length_is_variable",), pc, "Sequence length varies between batches.", type=bool_word, default=True),
         F("parallelism_config_sp_attn_implementation", ("--parallelism_config_sp_attn_implementation",), pc, "Attention implementation.", type=str, default="sdpa"),
+        # ours (not in Accelerate): where a TPU pod is and how to reach AWS without secrets on the command line
+        F("tpu_name", ("--tpu_name",), tpu, "TPU pod name (default: the config's tpu_name, or the TPU block).", type=str, engine="tpu"),
+        F("tpu_zone", ("--tpu_zone",), tpu, "TPU pod zone (default: the config's tpu_zone, or the TPU block).", type=str, engine="tpu"),
+        F("tpu_project", ("--tpu_project",), tpu, "Google Cloud project of the pod (default: gcloud's).", type=str, engine="tpu"),
+        F("tpu_block", ("--tpu_block",), tpu, "Name of a saved TpuPodBlock holding name, zone and project.", type=str, engine="tpu"),
+        F("tpu_copy_script", ("--tpu_copy_script",), tpu, "Copy the script's folder to every pod worker first (gcloud scp).", kind="store_true", default=False, engine="tpu"),
+        F("aws_credentials_block", ("--aws_credentials_block",), aws, "Name of a saved AWS credentials block for SageMaker.", type=str, engine="sagemaker"),
     ]
     return tuple(flags)
 

@@ -10,9 +10,9 @@ import json
 import shlex
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
-from prefect_accelerate.launchers.environment import SECRET_ENV_NAMES
+from prefect_accelerate.launchers.environment import is_secret_name
 
 REDACTED = "***"
 
@@ -45,7 +45,12 @@ class LaunchPlan(BaseModel):
     implicit_port: bool = False
 
     def is_secret(self, name: str) -> bool:
-        return name in self.secret_env or name in SECRET_ENV_NAMES
+        return name in self.secret_env or is_secret_name(name)
+
+    @field_serializer("env", when_used="json")
+    def _env_without_secrets(self, env: dict[str, str]) -> dict[str, str]:
+        # a plan passed as a flow parameter is stored by Prefect as JSON: secrets must not be
+        return {k: (REDACTED if self.is_secret(k) else v) for k, v in env.items()}
 
     def redacted_env(self) -> dict[str, str]:
         return {k: (REDACTED if self.is_secret(k) else v) for k, v in self.env.items()}

@@ -15,6 +15,12 @@ _EXPORTS = {
     "load_config": "prefect_accelerate.tasks.config",
     "to_fsdp2": "prefect_accelerate.tasks.config",
     "env_report": "prefect_accelerate.tasks.env",
+    "launch": "prefect_accelerate.tasks.launch",
+    "install_test": "prefect_accelerate.tasks.selftest",
+    "estimate_memory": "prefect_accelerate.tasks.memory",
+    "memory_fit": "prefect_accelerate.tasks.memory",
+    "tpu_config": "prefect_accelerate.tasks.tpu",
+    "merge_weights": "prefect_accelerate.tasks.merge",
 }
 
 __all__ = list(_EXPORTS)

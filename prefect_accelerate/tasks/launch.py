@@ -49,6 +49,9 @@ def result_markdown(plan: LaunchPlan, result: LaunchResult) -> str:
         result.command,
         "```",
     ]
+    job = getattr(result, "job", None)
+    if job is not None:  # a SageMaker job rather than local processes
+        lines += ["", "| job | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in job.model_dump(mode="json").items() if v not in (None, "")]
     if result.failed_ranks:
         lines += ["", "| failed rank | exit code |", "|---|---|"] + [f"| {f.rank} | {f.exit_code} |" for f in result.failed_ranks]
     if result.error:
