@@ -73,7 +73,6 @@ JSON_OWNED_FIELDS = (
 )
 #: characters Accelerate refuses in .deepspeed_env lines (DeepSpeed pastes them into a shell command)
 _FORBIDDEN_IN_ENV_FILE = (";", "\n", "<", ">", " ")
-#: names that look like credentials: never written to .deepspeed_env (they would reach remote command lines)
 
 
 def installed_deepspeed_version() -> tuple[int, ...] | None:

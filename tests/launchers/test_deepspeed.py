@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -109,6 +108,21 @@ def test_mpi_launchers_refuse_filters_and_unequal_slots(tmp_path):
         make_plan(tmp_path, deepspeed_hostfile="uneven", deepspeed_multinode_launcher="mpich", **TWO_NODES)
 
 
+def test_slurm_filters_must_keep_the_first_slots_of_every_host(tmp_path):
+    with pytest.raises(ConfigError, match=r"slurm launcher places processes by count.*node1 slots \[0, 1\], node2 slots \[1\]"):
+        make_plan(tmp_path, deepspeed_hostfile="hostfile", deepspeed_multinode_launcher="slurm",
+                  deepspeed_exclusion_filter="node2:0", **TWO_NODES)
+    plan = make_plan(tmp_path, deepspeed_hostfile="hostfile", deepspeed_multinode_launcher="slurm",
+                     deepspeed_inclusion_filter="node1:0@node2:0", **TWO_NODES)
+    assert "--include" in plan.argv
+
+
+def test_nossh_needs_the_main_address(tmp_path):
+    with pytest.raises(UsageError, match="nossh launcher needs --main_process_ip"):
+        make_plan(tmp_path, deepspeed_hostfile="hostfile", deepspeed_multinode_launcher="nossh",
+                  **{**TWO_NODES, "main_process_ip": None})
+
+
 def test_nossh_machine_rank_must_name_a_host(tmp_path):
     with pytest.raises(ConfigError, match="machine_rank is 1, .* has 1 host"):
         make_plan(tmp_path, deepspeed_hostfile="hostfile", deepspeed_multinode_launcher="nossh",
@@ -122,6 +136,8 @@ def test_nossh_machine_rank_must_name_a_host(tmp_path):
 def test_unknown_launcher_and_missing_program_are_clear_errors(tmp_path):
     with pytest.raises(UsageError, match="Unknown deepspeed_multinode_launcher 'ssh'"):
         make_plan(tmp_path, deepspeed_hostfile="hostfile", deepspeed_multinode_launcher="ssh", **TWO_NODES)
+    one_machine = make_plan(tmp_path, use_deepspeed=True, num_processes=2, deepspeed_multinode_launcher="ssh")
+    assert one_machine.launcher == "torchrun-deepspeed"  # unused on one machine, as in Accelerate
     bare = StaticHost(**GPU8)
     with pytest.raises(LaunchError, match="only when `sinfo` is on PATH"):
         make_plan(tmp_path, host=bare, deepspeed_hostfile="hostfile", deepspeed_multinode_launcher="slurm", **TWO_NODES)
@@ -214,6 +230,14 @@ def test_deepspeed_env_file_lives_in_the_run_folder_and_keeps_secrets_out(tmp_pa
     assert any("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES" in w and "contain a space" in w for w in plan.warnings)
     assert all("hf_abcdef" not in text for text in (*plan.warnings, *plan.notes))
     assert (tmp_path / ".deepspeed_env").read_text() == before  # the user's file is never touched
+
+
+def test_a_user_chosen_ds_env_file_is_carried_over(tmp_path, monkeypatch):
+    (tmp_path / "cluster.env").write_text("NCCL_DEBUG=INFO\n")
+    monkeypatch.setenv("DS_ENV_FILE", "cluster.env")
+    plan = make_plan(tmp_path, deepspeed_hostfile="hostfile", **TWO_NODES)
+    assert "NCCL_DEBUG=INFO\n" in plan.files[plan.env["DS_ENV_FILE"]]
+    assert plan.env["DS_ENV_FILE"] == str(tmp_path / "run" / ".deepspeed_env")
 
 
 def test_nossh_writes_no_env_file_because_the_runner_reads_none(tmp_path):
