@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,13 +52,58 @@ class PrefectServer:
         self.children.append(process)
         return process
 
-    def start_worker(self, pool: str, log: Path, queue: str | None = None, name: str | None = None) -> subprocess.Popen:
+    def start_worker(
+        self, pool: str, log: Path, queue: str | None = None, name: str | None = None, queues: Sequence[str] = ()
+    ) -> subprocess.Popen:
+        """A process worker on `pool`, polling `queue` and/or every name in `queues` (all queues when none)."""
         argv = [*PREFECT, "worker", "start", "--pool", pool]
-        if queue:
-            argv += ["--work-queue", queue]
+        for name_ in ([queue] if queue else []) + list(queues):
+            argv += ["--work-queue", name_]
         if name:
             argv += ["--name", name]
         return self.start(argv, log)
+
+    @contextlib.contextmanager
+    def client(self):
+        """A synchronous Prefect client for this server, from the test process."""
+        from prefect.client.orchestration import get_client
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.url}), get_client(sync_client=True) as client:
+            yield client
+
+    def run_deployment(self, name: str, parameters: dict | None = None, **kwargs) -> str:
+        """Create a run of deployment `name` (flow-name/deployment-name) and return its id at once."""
+        from prefect.deployments import run_deployment
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: self.url}):
+            return str(run_deployment(name, parameters=parameters or {}, timeout=0, as_subflow=False, **kwargs).id)
+
+    def flow_run(self, flow_run_id: str):
+        with self.client() as client:
+            return client.read_flow_run(flow_run_id)
+
+    def subflow_runs(self, parent_id: str) -> list:
+        """The flow runs started from `parent_id` (subflows and run_deployment children)."""
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+        with self.client() as client:
+            return client.read_flow_runs(flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent_id])))
+
+    def artifacts(self, flow_run_id: str) -> list:
+        """Every artifact one flow run created (its tasks' included, its subflows' not)."""
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        with self.client() as client:
+            return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+
+    def logs(self, flow_run_id: str) -> list[str]:
+        """The log messages of one flow run, oldest first."""
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        with self.client() as client:
+            return [log.message for log in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
 
 
 def stop(process: subprocess.Popen, *, worker: bool = False) -> None:

@@ -1,0 +1,175 @@
+"""deployments/prefect.yaml end to end on 127.0.0.1: a real `prefect server`, a process work pool,
+`prefect deploy` from the repository root, and two process workers standing in for two machines
+(machine 0 polls `default` and `accelerate-node-0`, machine 1 polls `accelerate-node-1`).
+
+Every training process writes its pid to a file; after a failure or a cancel the tests poll until
+each of them is gone. The module shares one server, one deploy and the two workers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers.prefect_server import PrefectServer, free_port, running_server, wait_for_state
+
+REPO = Path(__file__).resolve().parents[2]
+PREFECT_FILE = "deployments/prefect.yaml"
+POOL = "accelerate"
+EXAMPLE = "examples/ddp_allreduce.py"
+NODE_JOB = str(Path(__file__).resolve().parent / "scripts" / "node_job.py")
+QUIET = {"cpu": True, "num_processes": 4, "mixed_precision": "no", "dynamo_backend": "no", "rdzv_conf": "join_timeout=120"}
+QUEUES = ("accelerate-node-0", "accelerate-node-1")
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+LEAD_FLOWS = ("prefect_accelerate.flows.pipeline", "prefect_accelerate.flows.validate")
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Cluster:
+    server: PrefectServer
+    logs: Path
+
+
+def _lead_flows_present() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in LEAD_FLOWS)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deployments")
+    with running_server(root / "prefect-home") as server:
+        server.cli("work-pool", "create", "--type", "process", POOL)
+        # the command deployments/README.md gives; until every entrypoint exists, only the multi-node ones
+        which = ["--all"] if _lead_flows_present() else ["--name", "per-node", "--name", "cluster"]
+        server.cli("deploy", *which, "--prefect-file", PREFECT_FILE, cwd=str(REPO), timeout=240)
+        # queues before workers: a worker polling a queue that does not exist polls nothing, silently
+        with server.client() as client:
+            for queue in QUEUES:
+                client.create_work_queue(queue, work_pool_name=POOL)
+        server.start_worker(POOL, root / "machine-0.log", name="machine-0", queues=["default", "accelerate-node-0"])
+        server.start_worker(POOL, root / "machine-1.log", name="machine-1", queues=["accelerate-node-1"])
+        yield Cluster(server, root)
+
+
+def multinode_params(script: str, port: int, **extra) -> dict:
+    request = {"script": script, "num_machines": 2, "main_process_ip": "127.0.0.1", "main_process_port": port,
+               "launch_flags": QUIET, "poll_interval": 1, "start_timeout": 180, **extra}
+    return {"request": request}
+
+
+def nodes_of(server: PrefectServer, parent_id: str) -> dict[str, object]:
+    return {run.name: run for run in server.subflow_runs(parent_id)}
+
+
+def wait_for_pids(folder: Path, count: int, timeout: float = 180) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = [int(p.read_text()) for p in folder.glob("*.pid") if p.read_text().strip()]
+        if len(pids) >= count:
+            return pids
+        time.sleep(0.5)
+    raise AssertionError(f"only {sorted(p.name for p in folder.iterdir())} of {count} processes started")
+
+
+def assert_gone(pids: list[int], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.25)
+    assert not alive, f"still alive: {alive}"
+
+
+def table(server: PrefectServer, flow_run_id: str, key: str) -> list[dict]:
+    import json
+
+    found = [a for a in server.artifacts(flow_run_id) if a.key == key]
+    assert found, f"no {key!r} artifact on {flow_run_id}: {[a.key for a in server.artifacts(flow_run_id)]}"
+    return json.loads(found[0].data)
+
+
+def test_deploy_from_the_repository_root_stores_the_checkout_as_working_directory(cluster):
+    with cluster.server.client() as client:
+        node = client.read_deployment_by_name("node-launch/per-node")
+        parent = client.read_deployment_by_name("multinode-launch/cluster")
+    assert node.entrypoint == "prefect_accelerate/flows/multinode.py:node_launch"
+    assert node.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}]
+    assert node.work_pool_name == POOL and parent.work_pool_name == POOL
+    # typed form in the UI: the parameter is the pydantic model, with its fields
+    schema = node.parameter_openapi_schema
+    assert schema["required"] == ["request"]
+    assert "machine_rank" in schema["definitions"]["NodeLaunchRequest"]["properties"]
+
+
+def test_two_machines_on_two_queues_run_one_world_of_four(cluster):
+    server = cluster.server
+    parent = server.run_deployment("multinode-launch/cluster", multinode_params(EXAMPLE, 0))
+    assert wait_for_state(server, parent, FINAL, timeout=240) == "COMPLETED", (
+        server.logs(parent)[-20:]
+    )
+    nodes = nodes_of(server, parent)
+    assert sorted(nodes) == ["node-launch-rank0-of-2", "node-launch-rank1-of-2"]
+    assert {run.state_type.value for run in nodes.values()} == {"COMPLETED"}
+    assert nodes["node-launch-rank1-of-2"].work_queue_name == "accelerate-node-1"
+    # port 0: machine 0 picked one and machine 1 was started with it
+    port = table(server, str(nodes["node-launch-rank0-of-2"].id), "node-rendezvous")[0]["main_process_port"]
+    assert nodes["node-launch-rank1-of-2"].parameters["request"]["main_process_port"] == port > 0
+    lines = "\n".join(line for run in nodes.values() for line in server.logs(str(run.id)))
+    for rank in range(4):
+        assert f"rank {rank}/4: all_reduce sum = 10.0" in lines
+    summary = table(server, parent, "multinode-launch")
+    assert [(row["rank"], row["state"], row["exit code"]) for row in summary] == [(0, "Completed", 0), (1, "Completed", 0)]
+
+
+def test_a_failing_machine_fails_the_launch_and_cancels_the_other(cluster, tmp_path):
+    server = cluster.server
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {"env": {"NODE_JOB_MODE": "fail_node1", "NODE_JOB_PID_DIR": str(pids)}}
+    parent = server.run_deployment("multinode-launch/cluster", multinode_params(NODE_JOB, free_port(), job_variables=env))
+    started = wait_for_pids(pids, 4)
+    assert wait_for_state(server, parent, FINAL, timeout=240) == "FAILED"
+    nodes = nodes_of(server, parent)
+    assert nodes["node-launch-rank1-of-2"].state_type.value == "FAILED"
+    assert nodes["node-launch-rank0-of-2"].state_type.value == "CANCELLED"
+    assert_gone(started, timeout=30)
+    assert "Machine 1 ended Failed" in server.flow_run(parent).state.message
+    summary = {row["rank"]: row for row in table(server, parent, "multinode-launch")}
+    assert summary[1]["exit code"] == 3 and summary[0]["state"] == "Cancelled"
+
+
+def test_cancelling_the_launch_cancels_every_machine(cluster, tmp_path):
+    server = cluster.server
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {"env": {"NODE_JOB_MODE": "sleep", "NODE_JOB_PID_DIR": str(pids)}}
+    parent = server.run_deployment("multinode-launch/cluster", multinode_params(NODE_JOB, free_port(), job_variables=env))
+    started = wait_for_pids(pids, 4)
+    server.cli("flow-run", "cancel", parent)
+    # the nodes' workers stop their flow runs; the launch task's grace (20 s) is below Prefect's 30 s
+    assert_gone(started, timeout=60)
+    assert wait_for_state(server, parent, FINAL, timeout=120) == "CANCELLED"
+    for run in nodes_of(server, parent).values():
+        assert wait_for_state(server, str(run.id), FINAL, timeout=60) == "CANCELLED"
+
+
+def test_nightly_validation_and_pipeline_deployments_complete_with_their_artifacts(cluster):
+    validate = pytest.importorskip("prefect_accelerate.flows.validate")
+    pipeline = pytest.importorskip("prefect_accelerate.flows.pipeline")
+    server = cluster.server
+    # both with the parameters prefect.yaml gives: deployments/configs (2 CPU processes) and the tiny example;
+    # started together so their process start-ups overlap
+    nightly = server.run_deployment(f"{validate.validate_configs.name}/nightly")
+    training = server.run_deployment(f"{pipeline.launch_training.name}/on-demand")
+    for run in (nightly, training):
+        assert wait_for_state(server, run, FINAL, timeout=300) == "COMPLETED", server.logs(run)[-20:]
+    rows = table(server, nightly, validate.VALIDATION_ARTIFACT_KEY)
+    assert [(row["config"], row["ok"]) for row in rows] == [("cpu-2proc.yaml", "yes")], rows
+    assert {a.key for a in server.artifacts(training)} >= {pipeline.PIPELINE_ARTIFACT_KEY, "launch-result"}
+    assert "rank 1/2: all_reduce sum = 3.0" in "\n".join(server.logs(training))
