@@ -123,8 +123,13 @@ def _single_changes(profile: ModelProfile, options: EstimateOptions) -> list[tup
         "zero1": ["zero2", "zero3"], "zero2": ["zero3"],
         "fsdp_shard_grad_op": ["fsdp_full_shard"], "fsdp_hybrid_shard": ["fsdp_full_shard"],
     }.get(strategy, [])
+    # sharding only helps with several processes, but ZeRO's offload helps even on one device
     if options.num_processes > 1:
         changes.extend((f"--strategy {name}", {"strategy": name}) for name in ladder)
+    if strategy == "ddp":
+        changes.append(("--strategy zero2 --offload optimizer", {"strategy": "zero2", "offload": "optimizer"}))
+    if strategy != "zero3":
+        changes.append(("--strategy zero3 --offload optimizer+params", {"strategy": "zero3", "offload": "optimizer+params"}))
     if options.optimizer in ("adam", "adamw"):
         changes.append(("--optimizer adamw_8bit", {"optimizer": "adamw_8bit"}))
         changes.append(("--optimizer adafactor", {"optimizer": "adafactor"}))

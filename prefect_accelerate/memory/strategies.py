@@ -10,6 +10,8 @@ precision; tests/memory/test_strategies.py checks that against DeepSpeed itself.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from prefect_accelerate.errors import UsageError
 from prefect_accelerate.memory.choices import DEEPSPEED_STRATEGIES, FSDP_STRATEGIES
 from prefect_accelerate.memory.models import (
@@ -100,97 +102,134 @@ def _step_temporary(profile: ModelProfile, optimizer: str, local_params: float) 
     return 0, "updates in place"
 
 
+class _Layout(NamedTuple):
+    """What one strategy keeps: device and CPU items, the optimizer-step temporary and communication buffers."""
+
+    device: list[MemoryItem]
+    cpu: list[MemoryItem]
+    step: MemoryItem
+    communication: MemoryItem
+    notes: list[str]
+
+
+def _ddp(profile: ModelProfile, options: EstimateOptions, opt: tuple[float, str], per_machine: int) -> _Layout:
+    p_all, p = profile.parameters, profile.trainable_parameters
+    n = options.num_processes
+    step, step_formula = _step_temporary(profile, options.optimizer, p)
+    return _Layout(
+        device=[
+            MemoryItem.of("parameters", "Parameters", 4 * p_all + profile.buffer_bytes, "4 B x P fp32 weights (+ buffers)"),
+            MemoryItem.of("gradients", "Gradients", 4 * p, "4 B x P fp32"),
+            MemoryItem.of("optimizer_states", "Optimizer states", opt[0], opt[1]),
+        ],
+        cpu=[MemoryItem.of("model_loading", "Model loading", 4 * p_all * per_machine,
+                           "each process builds the fp32 model on CPU first: 4 B x P x L")],
+        step=MemoryItem.of("step_temporaries", "Optimizer step temporaries", step, step_formula),
+        communication=MemoryItem.of("communication_buffers", "Communication buffers", 4 * p if n > 1 else 0,
+                                    "DDP gradient buckets: 4 B x P (gradient_as_bucket_view=False)" if n > 1 else "none (one process)"),
+        notes=[],
+    )
+
+
+def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float, str], per_machine: int, s: int) -> _Layout:
+    p_all, p = profile.parameters, profile.trainable_parameters
+    b = 2 if options.mixed_precision != "no" else 4  # bytes of a stored weight
+    stage, offload = int(options.strategy[-1]), options.offload
+    buffers = profile.buffer_bytes
+    if stage == 3 and offload == "optimizer+params":
+        params = MemoryItem.of("parameters", "Parameters", buffers, "offloaded to CPU (buffers stay)")
+    elif stage == 3:
+        params = MemoryItem.of("parameters", "Parameters", b * p_all / s + buffers, f"{b} B x P / S (partitioned)")
+    else:
+        params = MemoryItem.of("parameters", "Parameters", b * p_all + buffers, f"{b} B x P (every process keeps all weights)")
+    if offload != "none":
+        grads = MemoryItem.of("gradients", "Gradients", 0, "reduced in buckets and copied to CPU")
+        states = MemoryItem.of("optimizer_states", "Optimizer states", 0, "offloaded to CPU")
+    else:
+        if stage == 1:
+            grads = MemoryItem.of("gradients", "Gradients", b * p + 4 * p / s, f"{b} B x P + 4 B x P / S (full gradients, fp32 partition)")
+        elif stage == 2:
+            grads = MemoryItem.of("gradients", "Gradients", (b + 4) * p / s, f"({b} + 4) B x P / S (partitioned)")
+        else:
+            grads = MemoryItem.of("gradients", "Gradients", 4 * p / s, "4 B x P / S fp32 gradient partition")
+        states = MemoryItem.of("optimizer_states", "Optimizer states", 4 * p / s + opt[0] / s, f"(4 B fp32 master + {opt[1]}) / S")
+    device = [params, grads, states]
+    if stage == 3:
+        device.append(MemoryItem.of("gathered_layers", "Gathered layers", 2 * b * profile.largest_module_parameters,
+                                    f"2 x {b} B x the largest module's parameters (weights + gradients while gathered)"))
+    local = min(p / s, DS_SUB_GROUP) if stage == 3 else p / s  # ZeRO-3 steps one sub-group at a time
+    step, step_formula = (0, "optimizer runs on CPU") if offload != "none" else _step_temporary(profile, options.optimizer, local)
+    notes = ["DeepSpeed keeps 16-bit weights for compute and an fp32 master copy with the optimizer."] if b == 2 else []
+    return _Layout(
+        device=device,
+        cpu=_deepspeed_cpu(profile, stage, offload, per_machine, options.num_processes, options.num_machines),
+        step=MemoryItem.of("step_temporaries", "Optimizer step temporaries", step, step_formula),
+        communication=MemoryItem.of("communication_buffers", "Communication buffers", b * min(DS_REDUCE_BUCKET, p),
+                                    f"ZeRO reduce bucket: {b} B x min(P, reduce_bucket_size=5e8)"),
+        notes=notes,
+    )
+
+
+def _fsdp(profile: ModelProfile, options: EstimateOptions, opt: tuple[float, str], per_machine: int, s: int) -> _Layout:
+    p_all, p = profile.parameters, profile.trainable_parameters
+    c = 2 if options.mixed_precision != "no" else 4  # bytes of a gathered (computing) weight
+    units, root = profile.largest_unit_parameters, profile.root_unit_parameters
+    notes = []
+    if units == 0:
+        notes.append("No transformer block class is known for this model (no `_no_split_modules`), so FSDP wraps it as one unit.")
+    if options.strategy == "fsdp_hybrid_shard" and options.num_machines == 1:
+        notes.append("HYBRID_SHARD on one machine shards like FULL_SHARD.")
+    cpu = [MemoryItem.of("model_loading", "Model loading", 4 * p_all, "rank 0 builds the fp32 model on CPU (cpu_ram_efficient_loading)")]
+    if options.offload == "none":
+        device = [
+            MemoryItem.of("parameters", "Parameters", 4 * p_all / s + profile.buffer_bytes, "4 B x P / S fp32 shards"),
+            MemoryItem.of("gradients", "Gradients", 4 * p / s, "4 B x P / S fp32 shards"),
+            MemoryItem.of("optimizer_states", "Optimizer states", opt[0] / s, f"({opt[1]}) / S"),
+        ]
+        step, step_formula = _step_temporary(profile, options.optimizer, p / s)
+    else:
+        device = [
+            MemoryItem.of("parameters", "Parameters", profile.buffer_bytes, "shards offloaded to CPU (buffers stay)"),
+            MemoryItem.of("gradients", "Gradients", 0, "shards offloaded to CPU"),
+            MemoryItem.of("optimizer_states", "Optimizer states", 0, "offloaded to CPU, step runs there"),
+        ]
+        step, step_formula = 0, "optimizer runs on CPU"
+        cpu.append(MemoryItem.of("offloaded_states", "Offloaded shards", (8 * p + opt[0]) * per_machine / s,
+                                 "(4 B params + 4 B grads + optimizer states) x P / S x L"))
+    if options.strategy == "fsdp_shard_grad_op":
+        gathered = c * p_all + c * max(units, root)
+        formula = f"{c} B x P (weights stay gathered from forward to backward) + {c} B x the largest unit's gradients"
+    else:
+        gathered = c * (root + 2 * units) + c * max(units, root)
+        formula = f"{c} B x (root unit + 2 x largest block: current + prefetched) + {c} B x the largest unit's gradients"
+    device.append(MemoryItem.of("gathered_layers", "Gathered layers", gathered, formula))
+    return _Layout(device=device, cpu=cpu,
+                   step=MemoryItem.of("step_temporaries", "Optimizer step temporaries", step, step_formula),
+                   communication=MemoryItem.of("communication_buffers", "Communication buffers", 0, "none beyond gathered layers"),
+                   notes=notes)
+
+
 def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceBreakdown:
     """The per-device (and per-machine CPU) memory of one layout. Pure arithmetic; no torch."""
     if options.strategy is None:
         raise UsageError("A per-device breakdown needs a strategy (ddp, zero1..zero3, fsdp_*).")
     validate_layout(options)
-    strategy, offload = options.strategy, options.offload
+    strategy = options.strategy
     n, m = options.num_processes, options.num_machines
     per_machine = n // m
     s = shard_factor(options)
     mp = options.mixed_precision != "no"
-    p_all = profile.parameters
-    p = profile.trainable_parameters
-    c = 2 if mp else 4  # bytes of a weight while computing
-    notes: list[str] = []
-    device: list[MemoryItem] = []
-    cpu: list[MemoryItem] = []
-    is_ds = strategy in DEEPSPEED_STRATEGIES
-    is_fsdp = strategy in FSDP_STRATEGIES
-    opt_states, opt_formula = _optimizer_state_bytes(profile, options.optimizer, flat=strategy != "ddp")
-    acts = profile.activations
-
+    opt = _optimizer_state_bytes(profile, options.optimizer, flat=strategy != "ddp")
     if strategy == "ddp":
-        device.append(MemoryItem.of("parameters", "Parameters", 4 * p_all + profile.buffer_bytes, "4 B x P fp32 weights (+ buffers)"))
-        device.append(MemoryItem.of("gradients", "Gradients", 4 * p, "4 B x P fp32"))
-        device.append(MemoryItem.of("optimizer_states", "Optimizer states", opt_states, opt_formula))
-        step_tmp, step_formula = _step_temporary(profile, options.optimizer, p)
-        comm = 4 * p if n > 1 else 0
-        comm_formula = "DDP gradient buckets: 4 B x P (gradient_as_bucket_view=False)" if n > 1 else ""
-        cpu.append(MemoryItem.of("model_loading", "Model loading", 4 * p_all * per_machine,
-                                 "each process builds the fp32 model on CPU first: 4 B x P x L"))
-    elif is_ds:
-        b = 2 if mp else 4
-        stage = int(strategy[-1])
-        master = 4 * p / s
-        if offload == "none":
-            if stage == 3:
-                device.append(MemoryItem.of("parameters", "Parameters", b * p_all / s + profile.buffer_bytes, f"{b} B x P / S (partitioned)"))
-                device.append(MemoryItem.of("gradients", "Gradients", 4 * p / s, "4 B x P / S fp32 gradient partition"))
-            else:
-                device.append(MemoryItem.of("parameters", "Parameters", b * p_all + profile.buffer_bytes, f"{b} B x P (every process keeps all weights)"))
-                grads = (b * p + 4 * p / s) if stage == 1 else (b + 4) * p / s
-                formula = f"{b} B x P + 4 B x P / S (full gradients, fp32 partition)" if stage == 1 else f"({b} + 4) B x P / S (partitioned)"
-                device.append(MemoryItem.of("gradients", "Gradients", grads, formula))
-            device.append(MemoryItem.of("optimizer_states", "Optimizer states", master + opt_states / s,
-                                        f"(4 B fp32 master + {opt_formula}) / S"))
-        else:
-            if stage == 3 and offload == "optimizer+params":
-                device.append(MemoryItem.of("parameters", "Parameters", profile.buffer_bytes, "offloaded to CPU (buffers stay)"))
-            elif stage == 3:
-                device.append(MemoryItem.of("parameters", "Parameters", b * p_all / s + profile.buffer_bytes, f"{b} B x P / S (partitioned)"))
-            else:
-                device.append(MemoryItem.of("parameters", "Parameters", b * p_all + profile.buffer_bytes, f"{b} B x P"))
-            device.append(MemoryItem.of("gradients", "Gradients", 0, "reduced in buckets and copied to CPU"))
-            device.append(MemoryItem.of("optimizer_states", "Optimizer states", 0, "offloaded to CPU"))
-        if stage == 3:
-            device.append(MemoryItem.of("gathered_layers", "Gathered layers", 2 * b * profile.largest_module_parameters,
-                                        f"2 x {b} B x the largest module's parameters (weights + gradients while gathered)"))
-        local = min(p / s, DS_SUB_GROUP) if stage == 3 else p / s  # ZeRO-3 steps one sub-group at a time
-        step_tmp, step_formula = (0, "optimizer runs on CPU") if offload != "none" else _step_temporary(profile, options.optimizer, local)
-        comm = b * min(DS_REDUCE_BUCKET, p)
-        comm_formula = f"ZeRO reduce bucket: {b} B x min(P, reduce_bucket_size=5e8)"
-        cpu.extend(_deepspeed_cpu(profile, stage, offload, per_machine, n, m))
-    else:  # FSDP
-        units = profile.largest_unit_parameters
-        root = profile.root_unit_parameters
-        if units == 0:
-            notes.append("No transformer block class is known for this model (no `_no_split_modules`), so FSDP wraps it as one unit.")
-        if offload == "none":
-            device.append(MemoryItem.of("parameters", "Parameters", 4 * p_all / s + profile.buffer_bytes, "4 B x P / S fp32 shards"))
-            device.append(MemoryItem.of("gradients", "Gradients", 4 * p / s, "4 B x P / S fp32 shards"))
-            device.append(MemoryItem.of("optimizer_states", "Optimizer states", opt_states / s, f"({opt_formula}) / S"))
-            step_tmp, step_formula = _step_temporary(profile, options.optimizer, p / s)
-        else:
-            device.append(MemoryItem.of("parameters", "Parameters", profile.buffer_bytes, "shards offloaded to CPU (buffers stay)"))
-            device.append(MemoryItem.of("gradients", "Gradients", 0, "shards offloaded to CPU"))
-            device.append(MemoryItem.of("optimizer_states", "Optimizer states", 0, "offloaded to CPU, step runs there"))
-            step_tmp, step_formula = 0, "optimizer runs on CPU"
-            cpu.append(MemoryItem.of("offloaded_states", "Offloaded shards", (8 * p + opt_states) * per_machine / s,
-                                     "(4 B params + 4 B grads + optimizer states) x P / S x L"))
-        if strategy == "fsdp_shard_grad_op":
-            gathered = c * p_all + c * max(units, root)
-            formula = f"{c} B x P (weights stay gathered from forward to backward) + {c} B x the largest unit's gradients"
-        else:
-            gathered = c * (root + 2 * units) + c * max(units, root)
-            formula = f"{c} B x (root unit + 2 x largest block: current + prefetched) + {c} B x the largest unit's gradients"
-        device.append(MemoryItem.of("gathered_layers", "Gathered layers", gathered, formula))
-        comm, comm_formula = 0, ""
-        cpu.append(MemoryItem.of("model_loading", "Model loading", 4 * p_all,
-                                 "rank 0 builds the fp32 model on CPU (cpu_ram_efficient_loading)"))
+        layout = _ddp(profile, options, opt, per_machine)
+    elif strategy in DEEPSPEED_STRATEGIES:
+        layout = _deepspeed(profile, options, opt, per_machine, s)
+    else:
+        layout = _fsdp(profile, options, opt, per_machine, s)
+    device, cpu, notes = list(layout.device), list(layout.cpu), list(layout.notes)
 
-    activation_item, backward, backward_formula, act_notes, method = _activation_items(acts, options, strategy == "ddp" and mp)
+    activation_item, backward, backward_formula, act_notes, method = _activation_items(
+        profile.activations, options, strategy == "ddp" and mp)
     if strategy == "ddp" and method == "traced":
         # the first gradients (head / embedding) appear while every activation is still alive
         backward += 4 * profile.largest_tensor_numel
@@ -198,8 +237,7 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     notes.extend(act_notes)
     device.append(activation_item)
     device.append(MemoryItem.of("backward_temporaries", "Backward temporaries", backward, backward_formula))
-    device.append(MemoryItem.of("step_temporaries", "Optimizer step temporaries", step_tmp, step_formula))
-    device.append(MemoryItem.of("communication_buffers", "Communication buffers", comm, comm_formula or "none"))
+    device.extend([layout.step, layout.communication])
 
     by_key = {item.key: item.bytes for item in device}
     resident = sum(by_key.get(k, 0) for k in ("parameters", "optimizer_states", "gathered_layers", "communication_buffers"))
@@ -208,18 +246,15 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     total = resident + max(forward_backward, step)
     states = sum(by_key.get(k, 0) for k in ("parameters", "gradients", "optimizer_states", "gathered_layers"))
     cpu_total = sum(item.bytes for item in cpu)
-    if mp and not is_ds:
+    if mp and strategy not in DEEPSPEED_STRATEGIES:
         notes.append("Mixed precision here keeps fp32 weights as the master copy (no separate master weights).")
-    if is_ds and mp:
-        notes.append("DeepSpeed keeps 16-bit weights for compute and an fp32 master copy with the optimizer.")
-    if is_fsdp and options.num_machines == 1 and strategy == "fsdp_hybrid_shard":
-        notes.append("HYBRID_SHARD on one machine shards like FULL_SHARD.")
     return DeviceBreakdown(
         strategy=strategy, world_size=n, num_machines=m, processes_per_machine=per_machine, shard_factor=s,
-        mixed_precision=options.mixed_precision, optimizer=options.optimizer, offload=offload,
+        mixed_precision=options.mixed_precision, optimizer=options.optimizer, offload=options.offload,
         gradient_checkpointing=options.gradient_checkpointing,
-        batch_size=options.batch_size, seq_len=acts.seq_len if acts else options.seq_len,
-        trained_class=profile.trained_class, parameters=p_all,
+        batch_size=options.batch_size,
+        seq_len=profile.activations.seq_len if profile.activations else options.seq_len,
+        trained_class=profile.trained_class, parameters=profile.parameters,
         device_items=device, device_total_bytes=total, device_total=human_bytes(total),
         all_items_bytes=sum(by_key.values()),
         model_states_bytes=states,

@@ -115,3 +115,15 @@ def test_help_imports_neither_torch_nor_prefect():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers
+def test_python_api_estimates_without_importing_prefect(zoo):
+    code = (
+        "import sys\n"
+        "from prefect_accelerate.memory import EstimateOptions, check_fit, estimate\n"
+        f"est = estimate({str(zoo['tiny-gpt2'])!r}, EstimateOptions(strategy='zero2', num_processes=2, seq_len=16))\n"
+        "assert check_fit(est, '1GiB').fits\n"
+        "assert 'prefect' not in sys.modules, 'prefect was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
