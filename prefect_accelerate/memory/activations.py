@@ -154,7 +154,7 @@ def trace_activations(
         with mode, watch, _moe_without_grouped_mm(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
             with _autocast(autocast_dtype):
                 if library == "timm":
-                    result = model(torch.zeros((batch_size, *size)))
+                    result = model(torch.zeros((batch_size, *size), dtype=_float_dtype(model)))
                     loss = torch.nn.functional.cross_entropy(result.float(), torch.zeros(batch_size, dtype=torch.long))
                     outputs = [result, loss]
                 else:
@@ -301,6 +301,13 @@ def _fake_mode_of(model: Any) -> Any:
     raise ValueError("trace_activations needs a model with fake tensors (build.to_fake)")
 
 
+def _float_dtype(model: Any) -> Any:
+    """Images go in in the weights' dtype, as a 16-bit DeepSpeed run must feed them."""
+    import torch
+
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _absolute_positions(model: Any) -> bool:
     """True when the model has a learned position table (it cannot take longer inputs at all)."""
     import torch
@@ -337,7 +344,8 @@ def _transformers_inputs(model: Any, batch_size: int, seq_len: int | None) -> di
     accepts = inspect.signature(model.forward).parameters
     single_label = name.endswith(_SINGLE_LABEL_SUFFIXES)
     if model.main_input_name == "pixel_values":
-        inputs = {"pixel_values": torch.zeros(batch_size, getattr(config, "num_channels", 3), *_image_size(config))}
+        inputs = {"pixel_values": torch.zeros(batch_size, getattr(config, "num_channels", 3), *_image_size(config),
+                                              dtype=_float_dtype(model))}
         if "labels" in accepts and single_label:
             inputs["labels"] = torch.zeros(batch_size, dtype=torch.long)
         return inputs

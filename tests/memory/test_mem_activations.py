@@ -118,3 +118,11 @@ def test_estimate_is_within_15_percent_of_real_cpu_training(zoo):
     measured = next(iter(peak.values()))["Total"]
     _, breakdown = traced(zoo["tiny-llama"], seq_len=128, batch_size=4)
     assert 0.85 < breakdown.device_total_bytes / measured < 1.15
+
+
+@pytest.mark.parametrize("name", ["timm-resnet50", "vit"])
+def test_sixteen_bit_weights_take_sixteen_bit_images(zoo, name):
+    fp32, _ = traced(zoo[name], strategy="zero2", num_processes=2, batch_size=2)
+    bf16, _ = traced(zoo[name], strategy="zero2", num_processes=2, batch_size=2, mixed_precision="bf16")
+    assert bf16.precision_mode == "bf16"
+    assert 0.45 < bf16.saved_bytes / fp32.saved_bytes < 0.6
