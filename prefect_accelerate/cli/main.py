@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "prefect_accelerate.cli.config_cmd",
     "prefect_accelerate.cli.env_cmd",
     "prefect_accelerate.cli.launch_cmd",
+    "prefect_accelerate.cli.merge_cmd",
     "prefect_accelerate.cli.tpu_config_cmd",
     "prefect_accelerate.cli.test_cmd",
     "prefect_accelerate.cli.pipeline_cmd",

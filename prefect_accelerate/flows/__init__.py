@@ -18,6 +18,7 @@ _EXPORTS = {
     "launch_training": "prefect_accelerate.flows.pipeline",
     "validate_configs": "prefect_accelerate.flows.validate",
     "tpu_config_flow": "prefect_accelerate.flows.tpu",
+    "merge_weights_flow": "prefect_accelerate.flows.merge",
 }
 
 __all__ = list(_EXPORTS)

@@ -24,7 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from prefect_accelerate.errors import LaunchError, Terminated
+from prefect_accelerate.errors import LaunchError
+from prefect_accelerate.signals import sigterm_as_exception
 from prefect_accelerate.launchers.plan import REDACTED, LaunchPlan
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, read_error_file
 from prefect_accelerate.launchers.state import new_run_dir, remove_state, write_state
@@ -101,23 +102,6 @@ class _Tracker:
 
     def as_records(self) -> list[dict[str, float | int]]:
         return [{"pid": pid, "create_time": started} for pid, started in self.seen.items()]
-
-
-@contextlib.contextmanager
-def _sigterm_as_exception():
-    """In the main thread of a process without its own SIGTERM handler, turn SIGTERM into Terminated."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-
-    def handler(signum, frame):  # noqa: ARG001
-        raise Terminated(signum)
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -225,7 +209,7 @@ def run_plan(
     reader.start()
     timed_out = False
     try:
-        with _sigterm_as_exception():
+        with sigterm_as_exception():
             deadline = None if not timeout else started + timeout
             while process.poll() is None:
                 if tracker.refresh():

@@ -14,9 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
-import threading
 import time
 import warnings
 from collections import deque
@@ -26,7 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from prefect_accelerate.errors import DependencyError, LaunchError, Terminated
+from prefect_accelerate.errors import DependencyError, LaunchError
+from prefect_accelerate.signals import sigterm_as_exception
 from prefect_accelerate.launchers import aws_credentials
 from prefect_accelerate.launchers.plan import REDACTED, LaunchPlan
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult
@@ -292,23 +291,6 @@ def submit(spec: SageMakerJobSpec, session, secret_env: dict[str, str]) -> str:
     return name
 
 
-@contextlib.contextmanager
-def _sigterm_as_exception():
-    """In the main thread of a process without its own SIGTERM handler (the plain CLI), SIGTERM -> Terminated."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-
-    def handler(signum, frame):  # noqa: ARG001
-        raise Terminated(signum)
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 class _Output:
     """Labelled lines to the callback, the log file and the tail, with secrets redacted."""
 
@@ -403,7 +385,7 @@ def run_job(
     try:
         session = aws_credentials.boto_session(spec.credentials, spec.region)
         sm, logs = session.client("sagemaker"), session.client("logs")
-        with _sigterm_as_exception():
+        with sigterm_as_exception():
             output("sagemaker", f"Submitting a training job {spec.base_job_name}-* ({spec.instance_count} x {spec.instance_type}, image {spec.image_uri})")
             name = submit(spec, session, secret_env)
             record_job(launch_id, {"job_name": name, "region": spec.region, "credentials": spec.credentials.model_dump(),

@@ -31,12 +31,12 @@ from prefect_accelerate.merge.progress import MergeProgress, ProgressCallback
 from prefect_accelerate.merge.result import MergedTensor, MergeResult
 from prefect_accelerate.merge.safetensors_file import SafetensorsWriter, TensorSpec, checksum, drop_cache, read_checksums, tensor_bytes
 from prefect_accelerate.merge.shards import DEFAULT_MAX_SHARD_SIZE, INDEX_NAMES, OutputFile, OutputFormat, index_json, parse_size, plan_files
+from prefect_accelerate.signals import sigterm_as_exception
 from prefect_accelerate.merge.staging import (
     make_dirs,
     publish,
     remove_created,
     remove_stale_staging,
-    sigterm_as_exception,
     staging_prefix,
     write_text_synced,
 )

@@ -8,17 +8,13 @@ into the same folder removes it once its process is gone.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import signal
 import socket
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
-from prefect_accelerate.errors import MergeError, Terminated
+from prefect_accelerate.errors import MergeError
 from prefect_accelerate.merge.shards import OutputFormat, is_own_output
 
 STAGING_PREFIX = ".merge-weights-"
@@ -49,26 +45,6 @@ def _process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-@contextlib.contextmanager
-def sigterm_as_exception() -> Iterator[None]:
-    """SIGTERM kills a process without running `finally` blocks; raised as Terminated, the staging folder goes.
-
-    Only in the main thread, and only where nobody (Prefect, a training script) installed a handler.
-    """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:  # noqa: ARG001
-        raise Terminated(signum)
-
-    signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def publish(staging: Path, output: Path, names: list[str], fmt: OutputFormat) -> list[str]:
