@@ -12,11 +12,15 @@ Differences from Accelerate 1.16.0 (docs/compatibility.md, pinned by tests/launc
   one without `zero_optimization` and a precision that contradicts it;
 - the variables for the other machines go to `.deepspeed_env` in this launch's run folder (DS_ENV_FILE
   points DeepSpeed there) instead of being appended, with the whole environment, to ./.deepspeed_env on
-  every launch; secrets are never written to it;
+  every launch; the user's own ~/ and ./.deepspeed_env lines are carried into it; secrets never are;
 - the MPI launchers get no `--num_gpus` (DeepSpeed's MPI runners refuse it, so Accelerate's command
   never starts) and filters are refused before launch for them;
-- the hostfile and filters are checked before launch, and a missing hostfile is an error instead of a
-  silent single-machine run;
+- the hostfile and filters are checked before launch (a missing hostfile is an error instead of a silent
+  single-machine run), and a layout that differs from num_processes/num_machines is a warning;
+- a missing machine_rank counts as 0 (Accelerate raises TypeError); nossh without a main address and an
+  unknown multi-node launcher are refused before launch;
+- ACCELERATE_CONFIG_DS_FIELDS lists the config's DeepSpeed keys sorted, not in the file's order (the
+  plugin only tests membership);
 - the runner is started as `<python> -m deepspeed.launcher.runner` (the interpreter of this launch)
   rather than whichever `deepspeed` is first on PATH.
 """
