@@ -107,6 +107,15 @@ def test_deploy_from_the_repository_root_stores_the_checkout_as_working_director
     assert "machine_rank" in schema["definitions"]["NodeLaunchRequest"]["properties"]
 
 
+def test_the_nightly_validation_is_scheduled_one_run_at_a_time(cluster):
+    validate = pytest.importorskip("prefect_accelerate.flows.validate")
+    with cluster.server.client() as client:
+        nightly = client.read_deployment_by_name(f"{validate.validate_configs.name}/nightly")
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [("0 2 * * *", "UTC", True)]
+    assert nightly.global_concurrency_limit.limit == 1
+    assert nightly.parameters["request"]["configs"] == ["deployments/configs"]
+
+
 def test_two_machines_on_two_queues_run_one_world_of_four(cluster):
     server = cluster.server
     parent = server.run_deployment("multinode-launch/cluster", multinode_params(EXAMPLE, 0))
@@ -127,12 +136,21 @@ def test_two_machines_on_two_queues_run_one_world_of_four(cluster):
     assert [(row["rank"], row["state"], row["exit code"]) for row in summary] == [(0, "Completed", 0), (1, "Completed", 0)]
 
 
-def test_a_failing_machine_fails_the_launch_and_cancels_the_other(cluster, tmp_path):
+@pytest.fixture(scope="module")
+def stopping_launches(cluster, tmp_path_factory) -> dict[str, tuple[str, Path]]:
+    """Two multi-node launches started together (their start-ups overlap): one whose machine 1 fails,
+    one that sleeps until it is cancelled. Returns mode -> (parent run id, pid folder)."""
+    runs = {}
+    for mode in ("fail_node1", "sleep"):
+        pids = tmp_path_factory.mktemp(mode)
+        env = {"env": {"NODE_JOB_MODE": mode, "NODE_JOB_PID_DIR": str(pids)}}
+        runs[mode] = (cluster.server.run_deployment("multinode-launch/cluster", multinode_params(NODE_JOB, free_port(), job_variables=env)), pids)
+    return runs
+
+
+def test_a_failing_machine_fails_the_launch_and_cancels_the_other(cluster, stopping_launches):
     server = cluster.server
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    env = {"env": {"NODE_JOB_MODE": "fail_node1", "NODE_JOB_PID_DIR": str(pids)}}
-    parent = server.run_deployment("multinode-launch/cluster", multinode_params(NODE_JOB, free_port(), job_variables=env))
+    parent, pids = stopping_launches["fail_node1"]
     started = wait_for_pids(pids, 4)
     assert wait_for_state(server, parent, FINAL, timeout=240) == "FAILED"
     nodes = nodes_of(server, parent)
@@ -144,12 +162,9 @@ def test_a_failing_machine_fails_the_launch_and_cancels_the_other(cluster, tmp_p
     assert summary[1]["exit code"] == 3 and summary[0]["state"] == "Cancelled"
 
 
-def test_cancelling_the_launch_cancels_every_machine(cluster, tmp_path):
+def test_cancelling_the_launch_cancels_every_machine(cluster, stopping_launches):
     server = cluster.server
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    env = {"env": {"NODE_JOB_MODE": "sleep", "NODE_JOB_PID_DIR": str(pids)}}
-    parent = server.run_deployment("multinode-launch/cluster", multinode_params(NODE_JOB, free_port(), job_variables=env))
+    parent, pids = stopping_launches["sleep"]
     started = wait_for_pids(pids, 4)
     server.cli("flow-run", "cancel", parent)
     # the nodes' workers stop their flow runs; the launch task's grace (20 s) is below Prefect's 30 s
