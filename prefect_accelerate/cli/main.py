@@ -19,6 +19,7 @@ from prefect_accelerate.errors import PrefectAccelerateError, Terminated
 # Subcommand modules, in Accelerate's order first, then our own. Only implemented commands appear.
 COMMAND_MODULES: tuple[str, ...] = (
     "prefect_accelerate.cli.config_cmd",
+    "prefect_accelerate.cli.estimate_cmd",
     "prefect_accelerate.cli.env_cmd",
     "prefect_accelerate.cli.launch_cmd",
     "prefect_accelerate.cli.merge_cmd",

@@ -19,6 +19,7 @@ _EXPORTS = {
     "validate_configs": "prefect_accelerate.flows.validate",
     "tpu_config_flow": "prefect_accelerate.flows.tpu",
     "merge_weights_flow": "prefect_accelerate.flows.merge",
+    "estimate_memory_flow": "prefect_accelerate.flows.memory",
 }
 
 __all__ = list(_EXPORTS)
