@@ -134,6 +134,12 @@ def test_two_machines_on_two_queues_run_one_world_of_four(cluster):
         assert f"rank {rank}/4: all_reduce sum = 10.0" in lines
     summary = table(server, parent, "multinode-launch")
     assert [(row["rank"], row["state"], row["exit code"]) for row in summary] == [(0, "Completed", 0), (1, "Completed", 0)]
+    # run_deployment's placeholder task per node in the parent's graph ends with its node, not Pending
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with server.client() as client:
+        placeholders = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[parent])))
+    assert [t.state_type.value for t in placeholders] == ["COMPLETED", "COMPLETED"]
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +178,7 @@ def test_cancelling_the_launch_cancels_every_machine(cluster, stopping_launches)
     assert wait_for_state(server, parent, FINAL, timeout=120) == "CANCELLED"
     for run in nodes_of(server, parent).values():
         assert wait_for_state(server, str(run.id), FINAL, timeout=60) == "CANCELLED"
+    assert any("node run(s) to cancel" in line for line in server.logs(parent)), server.logs(parent)[-10:]
 
 
 def test_nightly_validation_and_pipeline_deployments_complete_with_their_artifacts(cluster):
