@@ -7,9 +7,7 @@ check_environment`` imports Prefect only at that moment.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from prefect_accelerate._lazy import lazy_getattr
 from prefect_accelerate._version import __version__
 
 # public name -> module that defines it
@@ -31,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     "LaunchPlan": "prefect_accelerate.launchers.plan",
     "LaunchResult": "prefect_accelerate.launchers.result",
     "PipelineRequest": "prefect_accelerate.pipeline.models",
+    "check_environment": "prefect_accelerate.flows.check",
+    "launch_training": "prefect_accelerate.flows.pipeline",
     "PrefectAccelerateError": "prefect_accelerate.errors",
     "ConfigError": "prefect_accelerate.errors",
     "LaunchError": "prefect_accelerate.errors",
@@ -39,8 +39,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = ["__version__", *_EXPORTS]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'prefect_accelerate' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr('prefect_accelerate', _EXPORTS)

@@ -14,6 +14,7 @@ from prefect_accelerate.cli.launch_cmd import add_launch_arguments
 from prefect_accelerate.cli.parser import NONDEFAULT
 from prefect_accelerate.cli.tracking import add_tracking_flags, should_track
 from prefect_accelerate.launchers.flags import LAUNCH_DEFAULTS
+from prefect_accelerate.memory.choices import LIBRARIES, OPTIMIZERS
 from prefect_accelerate.pipeline.models import PREFLIGHT_STEPS
 
 FORCE_CHOICES = ("all", *PREFLIGHT_STEPS)
@@ -22,12 +23,12 @@ FORCE_CHOICES = ("all", *PREFLIGHT_STEPS)
 def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("pipeline")
     group.add_argument("--model", default=None, help="Model to size for the memory gate (folder with config.json, Hub id in the HF cache, or timm name).")
-    group.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "adafactor", "adamw_8bit"), help="Optimizer for the memory estimate.")
+    group.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="Optimizer for the memory estimate.")
     group.add_argument("--batch_size", type=int, default=1, help="Per-device batch size for activation memory.")
     group.add_argument("--seq_len", type=int, default=None, help="Sequence length for activation memory (transformers models).")
     group.add_argument("--gradient_checkpointing", action="store_true", help="The script uses gradient checkpointing.")
     group.add_argument("--device_memory", default=None, help="Memory of one device, e.g. 80GiB (default: detected).")
-    group.add_argument("--library_name", default=None, choices=("transformers", "timm"), help="Library of --model when it cannot be read from its config.")
+    group.add_argument("--library_name", default=None, choices=LIBRARIES, help="Library of --model when it cannot be read from its config.")
     group.add_argument("--no_install_test", dest="run_install_test", action="store_false", help="Skip the distributed self-test step.")
     group.add_argument("--require_approval", action="store_true", help="Pause before the launch until approved in the Prefect UI.")
     group.add_argument(

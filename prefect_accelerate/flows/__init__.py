@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from prefect_accelerate._lazy import lazy_getattr
 
 _EXPORTS = {
     "check_environment": "prefect_accelerate.flows.check",
@@ -25,8 +24,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'prefect_accelerate.flows' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr('prefect_accelerate.flows', _EXPORTS)

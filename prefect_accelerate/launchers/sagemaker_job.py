@@ -12,9 +12,6 @@ it too (`stop_recorded_jobs`). A failed job's FailureReason becomes the LaunchEr
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import socket
 import time
 import warnings
 from collections import deque
@@ -30,7 +27,7 @@ from prefect_accelerate.launchers import aws_credentials
 from prefect_accelerate.launchers.plan import REDACTED, LaunchPlan
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult
 from prefect_accelerate.launchers.sagemaker import SageMakerJobSpec
-from prefect_accelerate.launchers.state import new_run_dir, state_dir
+from prefect_accelerate.launchers.state import SAGEMAKER_JOBS, new_run_dir, read_records, remove_record, state_dir, write_record
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 #: seconds between status checks (SageMaker's own console refreshes about this often)
@@ -87,22 +84,15 @@ class SageMakerLaunchResult(LaunchResult):
 
 
 def jobs_dir() -> Path:
-    return state_dir() / "sagemaker-jobs"
+    return state_dir() / SAGEMAKER_JOBS
 
 
 def record_job(launch_id: str, data: dict[str, Any]) -> Path:
-    folder = jobs_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{launch_id}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({**data, "host": socket.gethostname()}, indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_record(SAGEMAKER_JOBS, launch_id, data)
 
 
 def forget_job(launch_id: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        (jobs_dir() / f"{launch_id}.json").unlink()
+    remove_record(SAGEMAKER_JOBS, launch_id)
 
 
 def stop_job(client, name: str) -> bool:
@@ -124,14 +114,9 @@ def stop_recorded_jobs(flow_run_id: str | None = None) -> list[str]:
     Jobs launched with flag keys are stopped with the environment's credentials (keys are never written down).
     """
     stopped: list[str] = []
-    folder = jobs_dir()
-    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if flow_run_id is not None and str(data.get("flow_run_id")) != str(flow_run_id):
-            continue
+    # a job can be stopped from any host that has credentials, so records of other hosts count too
+    for data in read_records(SAGEMAKER_JOBS, flow_run_id, this_host=False):
+        path = Path(data["_path"])
         source = aws_credentials.CredentialSource.model_validate(data.get("credentials") or {"source": "environment"})
         if source.source == "flags":
             source = aws_credentials.CredentialSource(source="environment")

@@ -35,41 +35,61 @@ def new_run_dir(prefix: str = "launch") -> Path:
 
 
 def launches_dir() -> Path:
-    return state_dir() / "launches"
+    return state_dir() / LAUNCHES
 
 
-def write_state(launch_id: str, data: dict[str, Any]) -> Path:
-    folder = launches_dir()
+#: record folders: local launches (pids), remote SageMaker jobs (job names)
+LAUNCHES = "launches"
+SAGEMAKER_JOBS = "sagemaker-jobs"
+
+
+def write_record(kind: str, record_id: str, data: dict[str, Any]) -> Path:
+    """Write `<state>/<kind>/<record_id>.json` atomically, tagged with this host's name."""
+    folder = state_dir() / kind
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{launch_id}.json"
-    tmp = path.with_suffix(".tmp")
+    path = folder / f"{record_id}.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**data, "host": socket.gethostname()}, indent=1))
     os.replace(tmp, path)
     return path
 
 
-def remove_state(launch_id: str) -> None:
+def remove_record(kind: str, record_id: str) -> None:
     try:
-        (launches_dir() / f"{launch_id}.json").unlink()
+        (state_dir() / kind / f"{record_id}.json").unlink()
     except FileNotFoundError:
         pass
 
 
-def recorded_launches(flow_run_id: str | None = None) -> list[dict[str, Any]]:
-    """State files of this host's running launches, optionally only those of one flow run."""
+def read_records(kind: str, flow_run_id: str | None = None, *, this_host: bool = True) -> list[dict[str, Any]]:
+    """The records of one kind (optionally only one flow run's); each has its file path under "_path"."""
+    folder = state_dir() / kind
     out = []
-    for path in sorted(launches_dir().glob("*.json")) if launches_dir().exists() else []:
+    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if data.get("host") != socket.gethostname():
+        if this_host and data.get("host") != socket.gethostname():
             continue
         if flow_run_id is not None and str(data.get("flow_run_id")) != str(flow_run_id):
             continue
         data["_path"] = str(path)
         out.append(data)
     return out
+
+
+def write_state(launch_id: str, data: dict[str, Any]) -> Path:
+    return write_record(LAUNCHES, launch_id, data)
+
+
+def remove_state(launch_id: str) -> None:
+    remove_record(LAUNCHES, launch_id)
+
+
+def recorded_launches(flow_run_id: str | None = None) -> list[dict[str, Any]]:
+    """State files of this host's running launches, optionally only those of one flow run."""
+    return read_records(LAUNCHES, flow_run_id)
 
 
 def _alive_matching(processes: Iterable[dict[str, Any]]):

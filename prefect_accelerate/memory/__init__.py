@@ -12,8 +12,7 @@ Names are loaded on first use so that importing this package stays cheap.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from prefect_accelerate._lazy import lazy_getattr
 
 _EXPORTS: dict[str, str] = {
     "estimate": "prefect_accelerate.memory.core",
@@ -35,8 +34,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'prefect_accelerate.memory' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr('prefect_accelerate.memory', _EXPORTS)

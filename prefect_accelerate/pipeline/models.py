@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_accelerate.launchers.result import LaunchResult
+from prefect_accelerate.memory.models import Library, Optimizer
 
 #: every step of a pipeline, in order (the DAG: config -> env || memory -> memory-fit -> deepspeed-check
 #: -> install-test -> launch)
@@ -19,12 +20,12 @@ class MemorySettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    optimizer: Literal["adamw", "adam", "sgd", "adafactor", "adamw_8bit"] = "adamw"
+    optimizer: Optimizer = "adamw"
     batch_size: int = Field(1, ge=1, description="Per-device batch size, for activations (transformers models).")
     seq_len: int | None = Field(None, ge=1, description="Sequence length, for activations (transformers models).")
     gradient_checkpointing: bool = False
     device_memory: str | None = Field(None, description="Memory of one device, e.g. 80GiB; detected when empty.")
-    library_name: Literal["transformers", "timm"] | None = None
+    library_name: Library | None = None
     trust_remote_code: bool = False
 
 

@@ -6,8 +6,7 @@ Importing this package imports Prefect. The business logic lives in the core pac
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from prefect_accelerate._lazy import lazy_getattr
 
 _EXPORTS = {
     "config_default": "prefect_accelerate.tasks.config",
@@ -26,8 +25,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'prefect_accelerate.tasks' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr('prefect_accelerate.tasks', _EXPORTS)
