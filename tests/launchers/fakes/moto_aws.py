@@ -34,7 +34,7 @@ class MotoServer:
         program = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
         log = open(self.folder / "moto.log", "wb")  # noqa: SIM115 - kept open for the server's lifetime
         self.process = subprocess.Popen([program, "-H", "127.0.0.1", "-p", str(self.port)], stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, cwd=self.folder)  # its recorder writes into its cwd
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
