@@ -23,7 +23,6 @@ POOL = "accelerate"
 EXAMPLE = "examples/ddp_allreduce.py"
 NODE_JOB = str(Path(__file__).resolve().parent / "scripts" / "node_job.py")
 QUIET = {"cpu": True, "num_processes": 4, "mixed_precision": "no", "dynamo_backend": "no", "rdzv_conf": "join_timeout=120"}
-QUEUES = ("accelerate-node-0", "accelerate-node-1")
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 LEAD_FLOWS = ("prefect_accelerate.flows.pipeline", "prefect_accelerate.flows.validate")
 
@@ -48,10 +47,11 @@ def cluster(tmp_path_factory):
         # the command deployments/README.md gives; until every entrypoint exists, only the multi-node ones
         which = ["--all"] if _lead_flows_present() else ["--name", "per-node", "--name", "cluster"]
         server.cli("deploy", *which, "--prefect-file", PREFECT_FILE, cwd=str(REPO), timeout=240)
-        # queues before workers: a worker polling a queue that does not exist polls nothing, silently
+        # a worker polling a queue that does not exist polls nothing at all, silently, so machine 0's
+        # queue comes first (that worker also serves `default`); machine 1's is left to multinode_launch,
+        # which creates missing node queues (the worker finds the runs on its next poll)
         with server.client() as client:
-            for queue in QUEUES:
-                client.create_work_queue(queue, work_pool_name=POOL)
+            client.create_work_queue("accelerate-node-0", work_pool_name=POOL)
         server.start_worker(POOL, root / "machine-0.log", name="machine-0", queues=["default", "accelerate-node-0"])
         server.start_worker(POOL, root / "machine-1.log", name="machine-1", queues=["accelerate-node-1"])
         yield Cluster(server, root)
@@ -124,6 +124,7 @@ def test_two_machines_on_two_queues_run_one_world_of_four(cluster):
     )
     nodes = nodes_of(server, parent)
     assert sorted(nodes) == ["node-launch-rank0-of-2", "node-launch-rank1-of-2"]
+    assert any("Created work queue(s) ['accelerate-node-1']" in line for line in server.logs(parent))
     assert {run.state_type.value for run in nodes.values()} == {"COMPLETED"}
     assert nodes["node-launch-rank1-of-2"].work_queue_name == "accelerate-node-1"
     # port 0: machine 0 picked one and machine 1 was started with it
