@@ -19,6 +19,8 @@ _EXPORTS = {
     "tpu_config_flow": "prefect_accelerate.flows.tpu",
     "merge_weights_flow": "prefect_accelerate.flows.merge",
     "estimate_memory_flow": "prefect_accelerate.flows.memory",
+    "node_launch": "prefect_accelerate.flows.multinode",
+    "multinode_launch": "prefect_accelerate.flows.multinode",
 }
 
 __all__ = list(_EXPORTS)

@@ -42,11 +42,15 @@ LineCallback = Callable[[str, str], None]
 _RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_][\w-]*?)(?P<rank>\d+)\]:")
 
 
-def split_rank(line: str, default: str) -> tuple[str, str]:
-    """("rank 3", text) for torchrun's `[default3]:text` lines, else (default, line)."""
+def split_rank(line: str, default: str, first_rank: int = 0) -> tuple[str, str]:
+    """("rank 3", text) for torchrun's `[default3]:text` lines, else (default, line).
+
+    torchrun prefixes each line with the worker's local rank; `first_rank` (this machine's rank times
+    its process count) turns it into the global rank.
+    """
     match = _RANK_PREFIX.match(line)
     if match:
-        return f"rank {match.group('rank')}", line[match.end():]
+        return f"rank {first_rank + int(match.group('rank'))}", line[match.end():]
     return default, line
 
 
@@ -168,6 +172,7 @@ def run_plan(
     env = {**os.environ, **plan.env}
     redact = _Redactor([value for name, value in env.items() if plan.is_secret(name)])
     label_default = plan.launcher
+    first_rank = plan.machine_rank * (plan.num_processes // max(plan.num_machines, 1))
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     command = redact(plan.command_line())
     started = time.monotonic()
@@ -199,7 +204,7 @@ def run_plan(
                 log.flush()
                 tail.append(line)
                 if on_line is not None:
-                    label, text = split_rank(line, label_default)
+                    label, text = split_rank(line, label_default, first_rank)
                     try:
                         on_line(label, text)
                     except Exception:  # a broken callback must not stop the draining

@@ -71,7 +71,9 @@ class LaunchResult(BaseModel):
     def raise_for_failure(self) -> LaunchResult:
         """Return self on success; raise LaunchError (exit code = the worker's) otherwise."""
         if not self.succeeded:
-            raise LaunchError(self.failure_message(), exit_code=self.exit_code if self.exit_code > 0 else 1)
+            error = LaunchError(self.failure_message(), exit_code=self.exit_code if self.exit_code > 0 else 1)
+            error.result = self  # type: ignore[attr-defined]  # callers (node_launch) report the whole result
+            raise error
         return self
 
 

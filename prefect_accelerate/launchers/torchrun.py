@@ -30,8 +30,14 @@ def resolve_port(options, host: HostProbe) -> tuple[int, list[str]]:
     port = options.main_process_port
     machines = int(options.num_machines)
     if port == 0:
+        if machines > 1 and int(options.machine_rank or 0) != 0:
+            raise UsageError(
+                "--main_process_port 0 picks a free port on this machine, but this is machine rank "
+                f"{int(options.machine_rank or 0)}: it must use the port the main machine listens on. Pass that port "
+                "(multinode_launch chooses it on machine 0 and passes it to the others)."
+            )
         port = host.free_port()
-        notes.append(f"--main_process_port 0: using free port {port}.")
+        notes.append(f"--main_process_port 0: using free port {port}" + (" (tell the other machines)." if machines > 1 else "."))
         return port, notes
     explicit = port is not None
     port = int(port) if explicit else DEFAULT_PORT

@@ -192,3 +192,10 @@ def test_aws_keys_are_secrets_in_options():
     dumped = options.model_dump_json()
     assert "s3cr3t-value" not in dumped and "AKIAEXAMPLE" not in dumped and "s3cr3t-value" not in repr(options)
     assert options.aws_secret_access_key.get_secret_value() == "s3cr3t-value"
+
+
+def test_port_zero_is_refused_on_a_machine_that_is_not_the_main_one():
+    options = parse("--multi_gpu", "--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
+                    "--main_process_ip", "10.0.0.1", "--main_process_port", "0", "t.py")
+    with pytest.raises(UsageError, match="machine rank 1"):
+        plan_launch(options, GPU8)

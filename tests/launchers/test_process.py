@@ -174,3 +174,7 @@ def test_a_default_port_taken_after_planning_is_retried_on_a_free_port(tmp_path,
         result = execute(plan, on_line=lambda label, line: lines.append(line))
     assert result.succeeded, result.tail
     assert any(f"port {taken} was taken meanwhile" in line for line in lines)
+
+
+def test_rank_labels_are_global_on_the_second_machine():
+    assert split_rank("[default1]:hi", "torchrun", first_rank=2) == ("rank 3", "hi")
