@@ -5,6 +5,7 @@ Every worker writes its pid to a file; after each stop the test polls until all 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -178,3 +179,25 @@ def test_a_default_port_taken_after_planning_is_retried_on_a_free_port(tmp_path,
 
 def test_rank_labels_are_global_on_the_second_machine():
     assert split_rank("[default1]:hi", "torchrun", first_rank=2) == ("rank 3", "hi")
+
+
+def test_mpirun_hostfile_runs_every_rank_through_mpirun(tmp_path):
+    """Open MPI's flags end to end with a stand-in mpirun (no MPI can be installed here)."""
+    fake_bin = REPO / "tests" / "launchers" / "fakes" / "mpibin"
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=2\n")
+    config = tmp_path / "mpi.yaml"
+    config.write_text(f"distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\nnum_machines: 1\nmixed_precision: 'no'\n"
+                      f"mpirun_config:\n  mpirun_hostfile: {hostfile}\n")
+    script = tmp_path / "mpi_rank.py"
+    script.write_text("import os\nprint('mpi rank', os.environ['OMPI_COMM_WORLD_RANK'], 'of', os.environ['OMPI_COMM_WORLD_SIZE'],"
+                      " 'master', os.environ['MASTER_ADDR'], os.environ['ACCELERATE_USE_CPU'], flush=True)\n")
+    log = tmp_path / "mpirun.log"
+    env = {**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}", "FAKE_MPIRUN_LOG": str(log)}
+    done = subprocess.run([*CLI, "--config_file", str(config), "--dynamo_backend", "no", str(script)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "mpi rank 0 of 2 master 127.0.0.1 True" in done.stdout and "mpi rank 1 of 2 master 127.0.0.1 True" in done.stdout
+    recorded = json.loads(log.read_text().splitlines()[0])
+    assert recorded[:8] == ["--hostfile", str(hostfile), "--npernode", "2", "-n", "2", "--bind-to", "socket"]
+    assert recorded[8:] == [sys.executable, str(script)]
