@@ -35,9 +35,15 @@ def main() -> None:
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
     print(f"rank {dist.get_rank()} of {dist.get_world_size()} sum {value.item():.1f}", flush=True)
-    if mode == "fail_rank1" and dist.get_rank() == 1:
+    if mode == "fail_rank1":
+        # rank 1 fails first and alone: rank 0 leaves the group cleanly and waits, so the only failure
+        # torchrun sees before stopping the others is rank 1's exit code 3
+        rank = dist.get_rank()
         dist.destroy_process_group()
-        sys.exit(3)
+        if rank == 1:
+            sys.exit(3)
+        time.sleep(30)
+        return
     if mode == "raise_rank1" and dist.get_rank() == 1:
         raise RuntimeError("rank 1 deliberate failure")
     dist.barrier()
