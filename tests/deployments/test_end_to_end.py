@@ -9,12 +9,11 @@ each of them is gone. The module shares one server, one deploy and the two worke
 from __future__ import annotations
 
 import importlib.util
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import pytest
+from helpers.processes import assert_all_gone, wait_for_pids
 from helpers.prefect_server import PrefectServer, free_port, running_server, wait_for_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,25 +64,6 @@ def multinode_params(script: str, port: int, **extra) -> dict:
 
 def nodes_of(server: PrefectServer, parent_id: str) -> dict[str, object]:
     return {run.name: run for run in server.subflow_runs(parent_id)}
-
-
-def wait_for_pids(folder: Path, count: int, timeout: float = 180) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pids = [int(p.read_text()) for p in folder.glob("*.pid") if p.read_text().strip()]
-        if len(pids) >= count:
-            return pids
-        time.sleep(0.5)
-    raise AssertionError(f"only {sorted(p.name for p in folder.iterdir())} of {count} processes started")
-
-
-def assert_gone(pids: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.25)
-    assert not alive, f"still alive: {alive}"
 
 
 def table(server: PrefectServer, flow_run_id: str, key: str) -> list[dict]:
@@ -163,7 +143,7 @@ def test_a_failing_machine_fails_the_launch_and_cancels_the_other(cluster, stopp
     nodes = nodes_of(server, parent)
     assert nodes["node-launch-rank1-of-2"].state_type.value == "FAILED"
     assert nodes["node-launch-rank0-of-2"].state_type.value == "CANCELLED"
-    assert_gone(started, timeout=30)
+    assert_all_gone(started, timeout=30)
     assert "Machine 1 ended Failed" in server.flow_run(parent).state.message
     summary = {row["rank"]: row for row in table(server, parent, "multinode-launch")}
     assert summary[1]["exit code"] == 3 and summary[0]["state"] == "Cancelled"
@@ -175,7 +155,7 @@ def test_cancelling_the_launch_cancels_every_machine(cluster, stopping_launches)
     started = wait_for_pids(pids, 4)
     server.cli("flow-run", "cancel", parent)
     # the nodes' workers stop their flow runs; the launch task's grace (20 s) is below Prefect's 30 s
-    assert_gone(started, timeout=60)
+    assert_all_gone(started, timeout=60)
     assert wait_for_state(server, parent, FINAL, timeout=120) == "CANCELLED"
     for run in nodes_of(server, parent).values():
         assert wait_for_state(server, str(run.id), FINAL, timeout=60) == "CANCELLED"

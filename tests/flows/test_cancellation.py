@@ -11,33 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 from helpers.prefect_server import running_server, wait_for_state
+from helpers.processes import assert_all_gone, wait_for_pids
 
 PROJECT = Path(__file__).resolve().parent / "cancel_project"
 WORKER = str(Path(__file__).resolve().parents[1] / "launchers" / "scripts" / "worker.py")
 
 pytestmark = pytest.mark.slow
-
-
-def wait_for_pids(folder: Path, count: int, timeout: float = 180) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pids = [int(p.read_text()) for p in folder.glob("*.pid") if p.read_text().strip()]
-        if len(pids) >= count:
-            return pids
-        time.sleep(0.5)
-    raise AssertionError(f"workers did not start: {list(folder.iterdir())}")
-
-
-def assert_gone(pids: list[int], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.25)
-    assert not alive, f"still alive after cancellation: {alive}"
 
 
 def run_deployment(server, name: str, pid_dir: Path) -> str:
@@ -64,7 +45,7 @@ def test_cancel_under_a_process_worker_and_under_serve(tmp_path):
             wait_for_state(server, flow_run_id, {"RUNNING"})
             server.cli("flow-run", "cancel", flow_run_id)
             # the task's own cleanup: SIGTERM to torchrun, grace 10 s, then SIGKILL; well under Prefect's 30 s
-            assert_gone(pids, timeout=45)
+            assert_all_gone(pids, timeout=45)
             assert wait_for_state(server, flow_run_id, {"CANCELLED", "CRASHED", "FAILED"}, timeout=120) == "CANCELLED"
 
 

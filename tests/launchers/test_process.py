@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from helpers.processes import assert_all_gone, read_pids, wait_for_pids
+
 from prefect_accelerate.launchers import plan_launch
 from prefect_accelerate.launchers.options import build_launch_options
 from prefect_accelerate.launchers.process import run_plan, split_rank
@@ -39,29 +41,6 @@ def worker_env(tmp_path: Path, mode: str, **extra: str) -> dict[str, str]:
     pids = tmp_path / "pids"
     pids.mkdir(exist_ok=True)
     return {**os.environ, "WORKER_MODE": mode, "WORKER_PID_DIR": str(pids), **extra}
-
-
-def recorded_pids(tmp_path: Path) -> list[int]:
-    return [int(p.read_text()) for p in (tmp_path / "pids").glob("*.pid") if p.read_text().strip()]
-
-
-def wait_for_pids(tmp_path: Path, count: int, timeout: float = 60) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        pids = recorded_pids(tmp_path)
-        if len(pids) >= count:
-            return pids
-        time.sleep(0.2)
-    raise AssertionError(f"only {recorded_pids(tmp_path)} of {count} workers started")
-
-
-def assert_all_gone(pids: list[int], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.2)
-    assert not alive, f"processes still alive: {alive}"
 
 
 def test_two_process_gloo_job_all_reduces(tmp_path):
@@ -107,7 +86,7 @@ def test_a_failing_rank_is_named_with_its_exit_code(tmp_path):
     assert done.returncode == 3
     assert "rank 1 exited with code 3" in done.stderr
     assert "Traceback (most recent call last)" not in done.stderr.split("error:")[-1]
-    assert_all_gone(recorded_pids(tmp_path))
+    assert_all_gone(read_pids(tmp_path / "pids"))
 
 
 def test_a_raising_rank_reports_its_error_message(tmp_path, monkeypatch):
@@ -124,7 +103,7 @@ def test_a_raising_rank_reports_its_error_message(tmp_path, monkeypatch):
 def test_stopping_the_cli_leaves_no_process_behind(tmp_path, how):
     cli = subprocess.Popen([*CLI, "--cpu", "--num_processes", "2", *QUIET, WORKER], env=worker_env(tmp_path, "sleep"),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pids = wait_for_pids(tmp_path, 2)
+    pids = wait_for_pids(tmp_path / "pids", 2)
     launcher = [p.pid for p in psutil.Process(cli.pid).children()]
     cli.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGINT)
     _, err = cli.communicate(timeout=60)
@@ -139,7 +118,7 @@ def test_the_deadline_stops_the_launch_and_all_workers(tmp_path):
     assert done.returncode == 124, done.stderr
     assert "deadline" in done.stderr
     assert time.monotonic() - began < 60
-    assert_all_gone(recorded_pids(tmp_path))
+    assert_all_gone(read_pids(tmp_path / "pids"))
 
 
 def test_simple_launcher_runs_one_process_and_passes_its_exit_code(tmp_path):
