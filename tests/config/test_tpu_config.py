@@ -219,7 +219,7 @@ def test_a_failing_command_on_a_worker_fails_tpu_config(fake_pod):
 
 @pytest.mark.slow
 def test_tracked_tpu_config_runs_as_a_flow_with_a_task_and_an_artifact(fake_pod, prefect_harness):
-    from prefect.client.orchestration import get_client
+    from prefect.artifacts import Artifact
 
     from prefect_accelerate.flows.tpu import tpu_config_flow
     from prefect_accelerate.tasks.tpu import RESULT_ARTIFACT_KEY
@@ -229,14 +229,6 @@ def test_tracked_tpu_config_runs_as_a_flow_with_a_task_and_an_artifact(fake_pod,
     assert result.succeeded and result.command == request.argv()
     assert any("tracked-0" in line for line in result.tail) and any("tracked-1" in line for line in result.tail)
 
-    async def artifact():
-        async with get_client() as client:
-            from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-
-            found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[RESULT_ARTIFACT_KEY])))
-            return found[0].data if found else None
-
-    import asyncio
-
-    data = asyncio.run(artifact())
+    found = Artifact.get(RESULT_ARTIFACT_KEY)  # the newest by update time
+    data = found.data if found else None
     assert data is not None and "tpu-config on `pod`" in data

@@ -16,15 +16,10 @@ pytestmark = pytest.mark.usefixtures("prefect_harness")
 
 
 def _artifact(key: str):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    """The newest artifact with this key (by update time: artifact ids are not ordered)."""
+    from prefect.artifacts import Artifact
 
-    async def read():
-        async with get_client() as client:
-            found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
-            return found[-1] if found else None
-
-    return asyncio.run(read())
+    return Artifact.get(key)
 
 
 def _logs(flow_run_id) -> list[str]:
