@@ -219,6 +219,9 @@ def test_tracked_launch_with_a_credentials_block_keeps_secrets_out_of_prefect(aw
             return json.dumps(run.parameters, default=str), json.dumps([a.data for a in artifacts], default=str) + \
                 json.dumps([entry.message for entry in logs])
 
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)  # logs ship in batches from a background worker: send them all before reading
     parameters, published = asyncio.run(stored())
     assert result.job.name in published  # the job's name reached Prefect's logs and artifact...
     for secret in (FLAG_SECRET, "block-secret-value", HF_SECRET):  # ...and no secret did

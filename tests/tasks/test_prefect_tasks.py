@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,9 @@ def _artifact(key: str):
     return Artifact.get(key)
 
 
-def _logs(flow_run_id) -> list[str]:
+def _logs(flow_run_id, expected: tuple[str, ...], timeout: float = 30.0) -> list[str]:
+    """The run's log messages once every expected line has arrived (Prefect ships logs in batches from a
+    background worker, so they can land after the flow returns), or whatever is there at the timeout."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
@@ -31,7 +34,15 @@ def _logs(flow_run_id) -> list[str]:
             logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
             return [log.message for log in logs]
 
-    return asyncio.run(read())
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    deadline = time.monotonic() + timeout
+    while True:
+        messages = asyncio.run(read())
+        if all(line in messages for line in expected) or time.monotonic() > deadline:
+            return messages
+        time.sleep(0.2)
 
 
 def test_check_environment_creates_a_default_config_and_publishes_the_report(hf_home):
@@ -87,8 +98,9 @@ def test_launch_lines_reach_the_run_logger_with_rank_labels_and_an_artifact(monk
 
     result = train()
     assert result.succeeded
-    messages = _logs(seen["id"])
-    assert "[rank 0] rank 0 of 2 sum 3.0" in messages and "[rank 1] rank 1 of 2 sum 3.0" in messages
+    expected = ("[rank 0] rank 0 of 2 sum 3.0", "[rank 1] rank 1 of 2 sum 3.0")
+    messages = _logs(seen["id"], expected)
+    assert all(line in messages for line in expected), messages
     artifact = _artifact("launch-result")
     assert artifact is not None and "Launch succeeded" in artifact.data
 

@@ -44,8 +44,15 @@ def main() -> None:
             sys.exit(3)
         time.sleep(30)
         return
-    if mode == "raise_rank1" and dist.get_rank() == 1:
-        raise RuntimeError("rank 1 deliberate failure")
+    if mode == "raise_rank1":
+        # as above, but rank 1 raises: leaving the group first keeps gloo's teardown from aborting the
+        # dying process (SIGABRT, exit -6) instead of the plain exit code 1 a Python error gives
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank == 1:
+            raise RuntimeError("rank 1 deliberate failure")
+        time.sleep(30)
+        return
     dist.barrier()
     dist.destroy_process_group()
 
