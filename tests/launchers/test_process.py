@@ -169,8 +169,11 @@ def test_mpirun_hostfile_runs_every_rank_through_mpirun(tmp_path):
     config.write_text(f"distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\nnum_machines: 1\nmixed_precision: 'no'\n"
                       f"mpirun_config:\n  mpirun_hostfile: {hostfile}\n")
     script = tmp_path / "mpi_rank.py"
-    script.write_text("import os\nprint('mpi rank', os.environ['OMPI_COMM_WORLD_RANK'], 'of', os.environ['OMPI_COMM_WORLD_SIZE'],"
-                      " 'master', os.environ['MASTER_ADDR'], os.environ['ACCELERATE_USE_CPU'], flush=True)\n")
+    # one write per line: print() with several arguments writes them piece by piece, and the two ranks share
+    # one pipe, so their pieces could interleave
+    script.write_text("import os, sys\nsys.stdout.write(' '.join(['mpi rank', os.environ['OMPI_COMM_WORLD_RANK'], 'of',"
+                      " os.environ['OMPI_COMM_WORLD_SIZE'], 'master', os.environ['MASTER_ADDR'],"
+                      " os.environ['ACCELERATE_USE_CPU']]) + '\\n')\nsys.stdout.flush()\n")
     log = tmp_path / "mpirun.log"
     env = {**os.environ, "PATH": f"{fake_bin}{os.pathsep}{os.environ['PATH']}", "FAKE_MPIRUN_LOG": str(log)}
     done = subprocess.run([*CLI, "--config_file", str(config), "--dynamo_backend", "no", str(script)], env=env,
