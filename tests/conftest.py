@@ -75,3 +75,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# `./dev test` (and so CI) sets this: a test skipped because an optional engine failed to import (an
+# importorskip of deepspeed, accelerate, timm...) would otherwise pass the suite silently.
+_STRICT = os.environ.get("PREFECT_ACCELERATE_TESTS_STRICT") == "1"
+_UNEXPECTED_SKIPS: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if _STRICT and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if "needs CUDA" not in reason:
+            _UNEXPECTED_SKIPS.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _UNEXPECTED_SKIPS and exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _UNEXPECTED_SKIPS:
+        terminalreporter.section("skipped tests count as failures here (PREFECT_ACCELERATE_TESTS_STRICT=1)")
+        for line in _UNEXPECTED_SKIPS:
+            terminalreporter.write_line(line)
