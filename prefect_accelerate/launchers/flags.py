@@ -200,7 +200,7 @@ def _flags() -> tuple[LaunchFlag, ...]:
         F("tpu_zone", ("--tpu_zone",), tpu, "TPU pod zone (default: the config's tpu_zone, or the TPU block).", type=str, engine="tpu"),
         F("tpu_project", ("--tpu_project",), tpu, "Google Cloud project of the pod (default: gcloud's).", type=str, engine="tpu"),
         F("tpu_block", ("--tpu_block",), tpu, "Name of a saved TpuPodBlock holding name, zone and project.", type=str, engine="tpu"),
-        F("tpu_copy_script", ("--tpu_copy_script",), tpu, "Copy the script's folder to every pod worker first (gcloud scp).", kind="store_true", default=False, engine="tpu"),
+        F("tpu_copy_script", ("--tpu_copy_script",), tpu, "Copy the training script (that one file) to every pod worker first (gcloud scp) and run it there; modules it imports must already be installed on the workers.", kind="store_true", default=False, engine="tpu"),
         F("aws_credentials_block", ("--aws_credentials_block",), aws, "Name of a saved AWS credentials block for SageMaker.", type=str, engine="sagemaker"),
     ]
     return tuple(flags)
