@@ -18,7 +18,6 @@ from prefect_accelerate.tpu_config import TpuConfigRequest, resolve_tpu_config, 
 
 FAKES = Path(__file__).resolve().parent.parent / "launchers" / "fakes"
 SAMPLES = Path(__file__).resolve().parent.parent / "fixtures" / "configs"
-COMMAND_MODULE = "prefect_accelerate.cli.tpu_config_cmd"
 
 LATEST = """\
 compute_environment: LOCAL_MACHINE
@@ -42,10 +41,8 @@ PLAIN = "Running gcloud compute tpus tpu-vm ssh test-tpu --zone us-central1-a --
 
 @pytest.fixture(autouse=True)
 def isolated(hf_home, monkeypatch):
-    """No default config unless a test writes one; the tpu-config command registered with the CLI."""
+    """No default config unless a test writes one."""
     monkeypatch.delenv(gcloud.TPU_BLOCK_ENV, raising=False)
-    if COMMAND_MODULE not in cli_main.COMMAND_MODULES:
-        monkeypatch.setattr(cli_main, "COMMAND_MODULES", (*cli_main.COMMAND_MODULES, COMMAND_MODULE))
 
 
 @pytest.fixture

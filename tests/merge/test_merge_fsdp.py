@@ -25,11 +25,7 @@ from prefect_accelerate.merge import merge_weights
 pytestmark = pytest.mark.slow  # the checkpoint comes from a two-process launch
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-# Registers merge-weights when cli/main.py does not list it yet, so the subprocess runs the real main().
-CLI = [sys.executable, "-c", (
-    "import sys, prefect_accelerate.cli.main as m; name = 'prefect_accelerate.cli.merge_cmd'; "
-    "m.COMMAND_MODULES = m.COMMAND_MODULES + ((name,) if name not in m.COMMAND_MODULES else ()); sys.exit(m.main())"
-)]
+CLI = [str(Path(sys.executable).with_name("prefect-accelerate"))]  # the installed console script
 
 
 def full_state(run: Path) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ from prefect_accelerate.errors import MergeError
 
 pytestmark = pytest.mark.slow  # a Prefect test server (session-wide) and flow runs
 
-MODULE = "prefect_accelerate.cli.merge_cmd"
 
 
 def artifact_rows(key: str):
@@ -47,8 +46,6 @@ def test_task_failure_is_the_merge_error(prefect_harness, tmp_path):
 def test_tracked_cli_merges_and_reports_errors_like_the_untracked_one(prefect_harness, make_checkpoint, tmp_path, monkeypatch, capsys):
     from prefect_accelerate.cli import main as cli_main
 
-    if MODULE not in cli_main.COMMAND_MODULES:
-        monkeypatch.setattr(cli_main, "COMMAND_MODULES", (*cli_main.COMMAND_MODULES, MODULE))
     monkeypatch.delenv("PREFECT_ACCELERATE_TRACK", raising=False)
     assert cli_main.main(["merge-weights", str(make_checkpoint()), str(tmp_path / "out")]) == 0  # tracked by default
     assert capsys.readouterr().out.startswith("Merged 9 tensors")
