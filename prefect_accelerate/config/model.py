@@ -13,7 +13,7 @@ migration changed.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -109,8 +109,30 @@ def _choice(choices: tuple[str, ...], *, case_insensitive: bool = False, keep_ca
     return AfterValidator(check)
 
 
-#: A boolean that also accepts the words a person types (`'no'`, `'yes'`, `"true"`); kept as written.
-Flag = Annotated[bool | str, AfterValidator(_check_flag)]
+_FLAG_CHECK = AfterValidator(_check_flag)
+
+#: A boolean that also accepts the words a person types (`'no'`, `'yes'`, `"true"`); kept as written in the
+#: model, written back to a file as a real boolean (see `file_value`).
+Flag = Annotated[bool | str, _FLAG_CHECK]
+
+
+def _is_flag(field: Any) -> bool:
+    if _FLAG_CHECK in field.metadata:
+        return True
+    return any(_FLAG_CHECK in getattr(arg, "__metadata__", ()) for arg in get_args(field.annotation))
+
+
+#: flags Accelerate itself writes as the words 'yes'/'no' (its questionnaire does for downcast_bf16): kept
+_WORD_FLAGS = frozenset({"downcast_bf16"})
+
+
+def file_value(name: str, field: Any, value: Any) -> Any:
+    """The value as a file should hold it. A flag read as a word becomes true/false: our reader keeps an
+    unquoted `no` as the word, and writing it back quoted would make Accelerate read the text 'no', which
+    Python counts as true."""
+    if isinstance(value, str) and name not in _WORD_FLAGS and _is_flag(field):
+        return as_bool(value)
+    return value
 Int = Annotated[int, BeforeValidator(_whole_number)]
 PositiveInt = Annotated[int, BeforeValidator(_whole_number), Field(ge=1)]
 NonNegativeInt = Annotated[int, BeforeValidator(_whole_number), Field(ge=0)]
@@ -212,7 +234,7 @@ class Section(BaseModel):
                 value = list(value)
             elif hasattr(value, "value") and isinstance(value, str):
                 value = value.value
-            out[self._spelling.get(name, name)] = value
+            out[self._spelling.get(name, name)] = file_value(name, type(self).model_fields[name], value)
         return dict(sorted(out.items()))
 
     def launch_items(self) -> dict[str, Any]:
@@ -477,7 +499,7 @@ class BaseConfig(BaseModel):
             elif hasattr(value, "value") and isinstance(value, str):
                 value = value.value
             if value is not None:
-                out[name] = value
+                out[name] = file_value(name, type(self).model_fields[name], value)
         return out
 
     def field_order(self) -> list[str]:
