@@ -93,7 +93,7 @@ def _assert_rejected_and_untouched(path: Path, field: str | None = None) -> None
     assert not path.with_name(path.name + ".bak").exists()
 
 
-@settings(max_examples=350, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(wrong_typed_config(), st.sampled_from([".yaml", ".json"]))
 def test_wrong_typed_fields_are_config_errors_and_nothing_is_written(case, suffix):
     field, data = case

@@ -90,9 +90,22 @@ def test_json_output_is_data(run_cli, zoo):
     (["{empty}"], "has no config.json"),
     (["{model}", "--num_processes", "0"], "--num_processes must be at least 1"),
     (["{model}", "--strategy", "ddp", "--offload", "optimizer"], "needs a sharded strategy"),
+    (["{broken}"], "is not valid JSON"),
+    (["{unknown_timm}"], "has no architecture `resnet9000`"),
+    (["{remote}"], "--trust_remote_code"),
 ])
 def test_errors_exit_2_with_one_paragraph_and_no_traceback(run_cli, zoo, tmp_path, argv, message):
+    files = {
+        "broken": '{"model_type": "gpt2",,}',
+        "unknown_timm": json.dumps({"architecture": "resnet9000", "num_classes": 10}),
+        "remote": json.dumps({"model_type": "tiny-custom", "architectures": ["TinyForCausalLM"],
+                              "auto_map": {"AutoConfig": "configuration_tiny.TinyConfig"}}),
+    }
     values = {"missing": tmp_path / "missing", "empty": tmp_path, "model": zoo["tiny-gpt2"]}
+    for name, text in files.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(text)
+        values[name] = tmp_path / name
     code, out, err = run_cli(*[a.format(**values) for a in argv])
     assert code == 2
     assert err.startswith("error: ") and message in err
