@@ -118,7 +118,35 @@ def test_the_deadline_stops_the_launch_and_all_workers(tmp_path):
     assert done.returncode == 124, done.stderr
     assert "deadline" in done.stderr
     assert time.monotonic() - began < 60
-    assert_all_gone(read_pids(tmp_path / "pids"))
+    pids = read_pids(tmp_path / "pids")
+    assert len(pids) == 2  # both workers had started before the deadline
+    assert_all_gone(pids)
+
+
+def test_workers_ignoring_sigterm_and_their_own_sessions_are_killed_after_the_grace(tmp_path):
+    """torchrun's SIGTERM reaches nothing here: the launcher's SIGKILL of every descendant it saw must."""
+    began = time.monotonic()
+    done = subprocess.run([*CLI, "--cpu", "--num_processes", "2", "--timeout", "10", "--grace_period", "2", *QUIET, WORKER],
+                          env=worker_env(tmp_path, "stubborn"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 124, done.stderr
+    pids = read_pids(tmp_path / "pids")
+    assert len(pids) == 4  # two workers and their two grandchildren (each in a session of its own)
+    assert_all_gone(pids, timeout=10)
+    assert time.monotonic() - began < 40
+
+
+def test_secret_values_in_output_are_redacted_everywhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORKER_MODE", "print_token")
+    monkeypatch.setenv("HF_TOKEN", "hf_secretvalue123456")
+    lines: list[str] = []
+    options = build_launch_options(WORKER, cpu=True, num_processes=2, mixed_precision="no", num_machines=1, dynamo_backend="no")
+    result = run_plan(plan_launch(options), on_line=lambda label, line: lines.append(line))
+    assert result.succeeded
+    text = "\n".join(lines)
+    assert "token ***" in text and "hf_secretvalue123456" not in text
+    log = Path(result.log_path).read_text()
+    assert "token ***" in log and "hf_secretvalue123456" not in log
+    assert "hf_secretvalue123456" not in "\n".join(result.tail)
 
 
 def test_simple_launcher_runs_one_process_and_passes_its_exit_code(tmp_path):

@@ -1,12 +1,17 @@
 """Test worker for launch tests. Behaviour by environment variable:
 
 WORKER_PID_DIR: write this process's pid to <dir>/<rank>.pid
-WORKER_MODE: allreduce (default) | fail_rank1 | raise_rank1 | sleep | env_dump
+WORKER_MODE: allreduce (default) | fail_rank1 | raise_rank1 | sleep | stubborn | print_token | env_dump
+  stubborn: ignore SIGTERM and start a grandchild in a session of its own that ignores it too (its pid goes
+  to <dir>/<rank>-child.pid), so only a SIGKILL of every tracked descendant ends them
+  print_token: print the value of HF_TOKEN (the launcher must redact it)
 WORKER_ENV_DIR: for env_dump, write os.environ as JSON to <dir>/<rank>.json
 """
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 
@@ -26,6 +31,18 @@ def main() -> None:
     if mode == "env_dump":
         with open(os.path.join(os.environ["WORKER_ENV_DIR"], f"{rank}.json"), "w") as handle:
             json.dump(dict(os.environ), handle)
+        return
+    if mode == "print_token":
+        print(f"rank {rank} token {os.environ.get('HF_TOKEN')}", flush=True)
+        return
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                  "time.sleep(600)"], start_new_session=True)
+        with open(os.path.join(pid_dir, f"{rank}-child.pid"), "w") as handle:
+            handle.write(str(child.pid))
+        print(f"rank {rank} stubborn", flush=True)
+        time.sleep(600)
         return
     if mode == "sleep":
         print(f"rank {rank} sleeping", flush=True)
