@@ -211,3 +211,35 @@ def test_mpirun_hostfile_runs_every_rank_through_mpirun(tmp_path):
     recorded = json.loads(log.read_text().splitlines()[0])
     assert recorded[:8] == ["--hostfile", str(hostfile), "--npernode", "2", "-n", "2", "--bind-to", "socket"]
     assert recorded[8:] == [sys.executable, str(script)]
+
+
+def test_the_state_file_lets_a_hook_end_a_launch_whose_launcher_was_killed(tmp_path, monkeypatch):
+    """SIGKILL of our launcher (what an OOM kill or a hard node agent does) leaves torchrun and its workers
+    running; the state file it wrote is what the flow's on_cancellation/on_crashed hook uses to end them."""
+    from prefect_accelerate.launchers.state import STATE_ENV, end_recorded_launches, launches_dir
+
+    state = tmp_path / "state"
+    monkeypatch.setenv(STATE_ENV, str(state))
+    cli = subprocess.Popen([*CLI, "--cpu", "--num_processes", "2", *QUIET, WORKER], env=worker_env(tmp_path, "sleep"),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids = wait_for_pids(tmp_path / "pids", 2)
+    records = list(launches_dir().glob("*.json"))
+    assert len(records) == 1
+    cli.kill()
+    cli.wait(timeout=30)
+    time.sleep(1)
+    assert all(psutil.pid_exists(pid) for pid in pids)  # orphaned, as measured
+    signalled = end_recorded_launches()
+    assert signalled and not records[0].exists()
+    assert_all_gone(pids, timeout=30)
+    assert end_recorded_launches() == []  # idempotent
+
+
+def test_a_recycled_pid_in_a_state_file_is_left_alone(tmp_path, monkeypatch):
+    from prefect_accelerate.launchers.state import STATE_ENV, end_recorded_launches, write_state
+
+    monkeypatch.setenv(STATE_ENV, str(tmp_path / "state"))
+    me = psutil.Process()
+    path = write_state("old-launch", {"processes": [{"pid": me.pid, "create_time": me.create_time() - 100.0}]})
+    assert end_recorded_launches(grace=1) == []  # same pid, other start time: not ours to signal
+    assert not path.exists()
