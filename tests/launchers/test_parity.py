@@ -124,11 +124,15 @@ CASES = [
         },
     ),
     Case(
+        # Accelerate starts one process that reads MASTER_ADDR/PORT; torchrun gets the port as an argument and
+        # sets both for each of its two workers
         "cpu-two-processes", "--cpu --num_processes 2 train.py", launcher_diff=("torchrun", "simple"),
+        env_diff={"MASTER_ADDR": (MISSING, "127.0.0.1"), "MASTER_PORT": (MISSING, "29500")},
     ),
     Case(
         "cpu-host-multi-gpu", "--multi_gpu --num_processes 2 train.py", host=dict(CPU2),
-        env_diff={"ACCELERATE_USE_CPU": ("True", MISSING)},
+        env_diff={"ACCELERATE_USE_CPU": ("True", MISSING), "KMP_AFFINITY": ("granularity=fine,compact,1,0", MISSING),
+                  "KMP_BLOCKTIME": ("1", MISSING)},
     ),
 ]
 
@@ -173,6 +177,12 @@ def test_plan_matches_accelerate(case: Case, tmp_path):
     ours_launcher = "torchrun" if plan.launcher.startswith("torchrun") else plan.launcher
     if case.launcher_diff:
         assert (ours_launcher, reference.launcher) == case.launcher_diff
+        ours_env = {k: v for k, v in plan.env.items() if k not in OUR_SUPERVISION_ENV}
+        theirs_env = {k: v for k, v in reference.env.items() if k != "PYTHONUNBUFFERED"}
+        for name, (ours_value, theirs_value) in case.env_diff.items():
+            assert ours_env.pop(name, MISSING) == ours_value, name
+            assert theirs_env.pop(name, MISSING) == theirs_value, name
+        assert ours_env == theirs_env
         return
     assert ours_launcher in (reference.launcher, "mpirun")
 
