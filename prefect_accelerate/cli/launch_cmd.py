@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         from prefect_accelerate.launchers.execute import execute
 
         result = execute(plan, on_line=_raw_echo, timeout=options.timeout, grace=options.grace_period)
-    result.raise_for_failure()
+    result.raise_for_failure(quiet=bool(getattr(options, "quiet", False)))
     return 0
 
 

@@ -49,7 +49,9 @@ class LaunchResult(BaseModel):
     def succeeded(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
 
-    def failure_message(self) -> str:
+    def failure_message(self, *, quiet: bool = False) -> str:
+        """One paragraph: what failed, the root-cause error, the last output lines (not with `quiet`: the
+        `--quiet` flag keeps to the training output already printed), and where the full log is."""
         if self.timed_out:
             head = f"The launch did not finish within its deadline and was stopped after {self.duration_s:.1f} s"
         elif self.failed_ranks:
@@ -62,16 +64,16 @@ class LaunchResult(BaseModel):
         if self.error:
             where = f" (rank {self.root_cause_rank})" if self.root_cause_rank is not None else ""
             parts.append(f"Error{where}: {self.error}.")
-        if self.tail:
+        if self.tail and not quiet:
             parts.append("Last lines: " + " | ".join(line.strip() for line in self.tail[-8:] if line.strip()))
         if self.log_path:
             parts.append(f"Full log: {self.log_path}.")
         return " ".join(parts)
 
-    def raise_for_failure(self) -> LaunchResult:
+    def raise_for_failure(self, *, quiet: bool = False) -> LaunchResult:
         """Return self on success; raise LaunchError (exit code = the worker's) otherwise."""
         if not self.succeeded:
-            error = LaunchError(self.failure_message(), exit_code=self.exit_code if self.exit_code > 0 else 1)
+            error = LaunchError(self.failure_message(quiet=quiet), exit_code=self.exit_code if self.exit_code > 0 else 1)
             error.result = self  # type: ignore[attr-defined]  # callers (node_launch) report the whole result
             raise error
         return self

@@ -180,7 +180,10 @@ def build_graph(request: PipelineRequest, *, host=None, with_status: bool = True
         model = _model_digest(request)
         if has_model:
             layout = estimate_options(request, options)
-            steps["memory"].inputs = {"model config": model, "layout": digest(layout.model_dump(mode="json"))}
+            # the libraries that build the model on the meta device: an upgrade can change the count
+            libraries = digest({name: fingerprint.get(name, "") for name in ("torch", "transformers", "timm")})
+            steps["memory"].inputs = {"model config": model, "layout": digest(layout.model_dump(mode="json")),
+                                      "model libraries": libraries}
             steps["memory-fit"].inputs = {"memory": "", "device memory": _device_digest(request, fingerprint)}
         if uses_deepspeed:
             from prefect_accelerate.launchers.deepspeed_check import settings_from_options

@@ -84,6 +84,22 @@ def test_plan_explains_what_changed(tmp_path, tiny_gpt2):
     assert graph.step("env").status == "would use cache"
 
 
+def test_a_library_upgrade_reruns_the_memory_estimate(tmp_path, tiny_gpt2, monkeypatch):
+    from prefect_accelerate.flows.pipeline import preflight
+    from prefect_accelerate.pipeline import graph as graph_module
+
+    config = tmp_path / "cpu.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
+    request = PipelineRequest(script=EXAMPLE, config_file=str(config), model=tiny_gpt2, memory=MemorySettings(device_memory="8GiB"),
+                              run_install_test=False)
+    preflight(request)
+    real = graph_module.environment_fingerprint
+    monkeypatch.setattr(graph_module, "environment_fingerprint", lambda: {**real(), "transformers": "99.0.0"})
+    graph = graph_module.build_graph(request)
+    assert graph.step("memory").status == "would run" and "model libraries" in graph.step("memory").reason
+    assert graph.step("config").status == "would use cache"
+
+
 def test_a_failed_step_stops_before_the_launch_and_names_the_step(tmp_path):
     from prefect_accelerate.flows.pipeline import launch_training
 

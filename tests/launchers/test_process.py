@@ -86,7 +86,12 @@ def test_a_failing_rank_is_named_with_its_exit_code(tmp_path):
     assert done.returncode == 3
     assert "rank 1 exited with code 3" in done.stderr
     assert "Traceback (most recent call last)" not in done.stderr.split("error:")[-1]
+    assert "Last lines:" in done.stderr.split("error:")[-1]
     assert_all_gone(read_pids(tmp_path / "pids"))
+    quiet = subprocess.run([*CLI, "-q", "--cpu", "--num_processes", "2", *QUIET, WORKER], env=worker_env(tmp_path, "fail_rank1"),
+                           capture_output=True, text=True, timeout=180)
+    assert quiet.returncode == 3 and "rank 1 exited with code 3" in quiet.stderr
+    assert "Last lines:" not in quiet.stderr.split("error:")[-1]  # --quiet: the one-line error only
 
 
 def test_a_raising_rank_reports_its_error_message(tmp_path, monkeypatch):
