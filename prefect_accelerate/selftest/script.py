@@ -176,9 +176,13 @@ def check_precision() -> str:
 
 def expected_distributed_type() -> str:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    for variable, kind in (("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED"), ("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_MEGATRON_LM", "MEGATRON_LM")):
-        if os.environ.get(variable, "").lower() == "true":
-            return kind
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        return "DEEPSPEED"  # DeepSpeed runs on its CPU accelerator too
+    if not _on_cpu():
+        for variable, kind in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_MEGATRON_LM", "MEGATRON_LM")):
+            if os.environ.get(variable, "").lower() == "true":
+                return kind
+    # on a CPU host Accelerate runs an FSDP or Megatron-LM config as plain MULTI_CPU (measured with 1.16.0)
     if world <= 1:
         return "NO"
     return "MULTI_CPU" if _on_cpu() else "MULTI_GPU"
