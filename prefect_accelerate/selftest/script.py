@@ -102,15 +102,27 @@ def check_barrier() -> str:
 
 
 def check_rng_sync() -> str:
+    world = dist.get_world_size()
+
+    def gathered_draws() -> list:
+        draw = torch.rand(3, device="cpu").to(device())
+        draws = [torch.empty(3, device=device()) for _ in range(world)]
+        dist.all_gather(draws, draw)
+        return draws
+
     torch.manual_seed(1234 + dist.get_rank())  # deliberately different per rank
-    state = torch.get_rng_state().to(device())
-    dist.broadcast(state, src=0)
-    torch.set_rng_state(state.cpu())
-    draw = torch.rand(3, device="cpu").to(device())
-    draws = [torch.empty(3, device=device()) for _ in range(dist.get_world_size())]
-    dist.all_gather(draws, draw)
-    assert all(torch.equal(d, draws[0]) for d in draws), "random draws differ after syncing rank 0's RNG state"
-    return "rank 0's RNG state synchronised; identical draws on every rank"
+    state = torch.get_rng_state()
+    before = gathered_draws()
+    if world > 1:  # otherwise the check below would pass without any synchronisation
+        assert not all(torch.equal(d, before[0]) for d in before), "ranks seeded differently drew the same numbers"
+    torch.set_rng_state(state)
+    shared = state.to(device())
+    dist.broadcast(shared, src=0)
+    torch.set_rng_state(shared.cpu())
+    after = gathered_draws()
+    assert all(torch.equal(d, after[0]) for d in after), "random draws differ after syncing rank 0's RNG state"
+    assert torch.equal(after[0], before[0]), "the synchronised state is not rank 0's"
+    return "ranks seeded apart drew apart; after broadcasting rank 0's RNG state every rank draws rank 0's numbers"
 
 
 def check_sampler() -> str:
