@@ -153,6 +153,15 @@ def check_config_file_settings(options, cwd: str) -> None:
             f"The DeepSpeed config file {options.deepspeed_config_file} has no zero_optimization section, which "
             'Accelerate requires. Add one, e.g. "zero_optimization": {"stage": 2}.'
         )
+    def enabled(name: str) -> bool:
+        section = config.get(name)
+        return isinstance(section, dict) and str(section.get("enabled", "false")).lower() == "true"
+
+    if enabled("fp16") and enabled("bf16"):
+        raise ConfigError(
+            f"The DeepSpeed config file {options.deepspeed_config_file} enables both fp16 and bf16; DeepSpeed "
+            'refuses that inside every process. Set "enabled": false in one of the two sections.'
+        )
     precision = str(options.mixed_precision or "no").lower()
     if precision != "no":
         other = "bf16" if precision == "fp16" else "fp16"

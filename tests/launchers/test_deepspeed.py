@@ -147,6 +147,9 @@ def test_json_file_problems_are_found_before_launch(tmp_path):
     with pytest.raises(ConfigError, match="mixed_precision is bf16 but the DeepSpeed config file fp16.json enables fp16"):
         make_plan(tmp_path, deepspeed_config_file="fp16.json", **{**one, "mixed_precision": "bf16"})
     assert make_plan(tmp_path, deepspeed_config_file="fp16.json", **{**one, "mixed_precision": "fp16"})
+    (tmp_path / "both.json").write_text('{"zero_optimization": {"stage": 2}, "fp16": {"enabled": true}, "bf16": {"enabled": "true"}}')
+    with pytest.raises(ConfigError, match="both.json enables both fp16 and bf16"):
+        make_plan(tmp_path, deepspeed_config_file="both.json", **one)
 
 
 def test_a_config_with_a_json_file_and_top_level_precision_is_refused_before_launch(tmp_path):
