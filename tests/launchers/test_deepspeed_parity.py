@@ -218,3 +218,14 @@ def test_plan_matches_accelerate(case: Case, tmp_path):
         assert ours_fields.pop(name) == ours_value, name
         assert theirs_fields.pop(name) == theirs_value, name
     assert ours_fields == theirs_fields
+
+
+def test_parallelism_config_with_deepspeed_is_refused_by_both(tmp_path):
+    argv = shlex.split("--use_deepspeed --num_processes 4 --zero_stage 2 --use_parallelism_config "
+                       "--parallelism_config_dp_replicate_size 2 train.py")
+    host = StaticHost(python_path="PYTHON")
+    with pytest.raises(ValueError, match="--use_parallelism_config` without `--use_fsdp`"):
+        accelerate_deepspeed_reference(argv, host)
+    with pytest.raises(PrefectAccelerateError, match="needs FSDP version 2"):  # refused while merging the options
+        plan_launch(options_from_namespace(build_parser().parse_args(["launch", *argv]), environ=dict(os.environ), host=host),
+                    host, cwd=str(tmp_path))
