@@ -194,3 +194,27 @@ def test_every_gcloud_command_shape_matches_the_golden_file():
         "scp-folder-recurse": scp_argv(full, ["/tmp/stage"], "~/", recurse=True),
     }
     assert_golden("tpu/gcloud-commands", {name: shlex.join(argv) for name, argv in shapes.items()})
+
+
+def test_pod_flags_alone_plan_a_pod_launch(tmp_path):
+    """No config at all: --tpu --tpu_cluster with the pod's name, zone and project on the command line."""
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    plan, _ = plan_from_argv(["--tpu", "--tpu_cluster", "--tpu_name", "flag-pod", "--tpu_zone", "us-east5-a", "--tpu_project", "proj-1",
+                              "--tpu_copy_script", *BASE, "--mixed_precision", "no", "train.py"], tmp_path)
+    spec = json.loads(plan.files[tpu_launcher.POD_SPEC_FILE])
+    ssh = spec["steps"][-1]
+    assert ssh[:10] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "flag-pod", "--zone", "us-east5-a", "--project", "proj-1"]
+    assert any(step[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "scp"] for step in spec["steps"])  # the script is copied
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_saved_pod_block_is_loaded_by_name(tmp_path):
+    from prefect_accelerate.blocks import TpuPodBlock
+
+    TpuPodBlock(tpu_name="block-pod", tpu_zone="europe-west4-a", project="blocks-project").save("saved-pod", overwrite=True)
+    config = write_config(tmp_path, POD_CONFIG.replace("tpu_name: test-pod\n", "").replace("tpu_zone: us-central2-b\n", ""))
+    plan, _ = plan_from_argv(["--config_file", config, "--tpu_block", "saved-pod", "train.py"], tmp_path)
+    ssh = json.loads(plan.files[tpu_launcher.POD_SPEC_FILE])["steps"][-1]
+    assert ssh[:10] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "block-pod", "--zone", "europe-west4-a", "--project", "blocks-project"]
+    with pytest.raises(UsageError, match="Could not load the TPU pod block 'no-such-pod'.*Save one first"):
+        plan_from_argv(["--config_file", config, "--tpu_block", "no-such-pod", "train.py"], tmp_path)
