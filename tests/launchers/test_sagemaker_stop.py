@@ -218,3 +218,21 @@ def test_the_cancellation_hook_stops_recorded_jobs_of_its_flow_run_only(tmp_path
     sm_stub.assert_no_pending_responses()
     assert [p.stem for p in sagemaker_job.jobs_dir().glob("*.json")] == ["other"]
     sagemaker_job.forget_job("other")
+
+
+def test_the_flow_hook_itself_stops_the_recorded_job(tmp_path, monkeypatch, capsys):
+    """What Prefect calls on cancellation/crash (flows/launch.end_launch_processes) reaches StopTrainingJob."""
+    from types import SimpleNamespace
+
+    from prefect_accelerate.flows.launch import end_launch_processes
+
+    sm, sm_stub, logs, _ = clients()
+    monkeypatch.setattr(aws_credentials, "boto_session", lambda source, region: StubSession(sm, logs))
+    credentials = aws_credentials.CredentialSource(source="flags", handle="gone").model_dump()
+    sagemaker_job.record_job("hooked", {"job_name": JOB, "region": "us-east-1", "credentials": credentials, "flow_run_id": "run-9"})
+    sm_stub.add_response("stop_training_job", {}, {"TrainingJobName": JOB})
+    with sm_stub:
+        end_launch_processes(None, SimpleNamespace(id="run-9"), None)  # outside a run: it reports by print
+    sm_stub.assert_no_pending_responses()
+    assert not list(sagemaker_job.jobs_dir().glob("*.json"))
+    assert JOB in capsys.readouterr().out
