@@ -248,3 +248,16 @@ def test_a_recycled_pid_in_a_state_file_is_left_alone(tmp_path, monkeypatch):
     path = write_state("old-launch", {"processes": [{"pid": me.pid, "create_time": me.create_time() - 100.0}]})
     assert end_recorded_launches(grace=1) == []  # same pid, other start time: not ours to signal
     assert not path.exists()
+
+
+@pytest.mark.parametrize("user_log_dir", [False, True])
+def test_no_torchelastic_folder_is_left_in_tmpdir(tmp_path, user_log_dir):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    extra = ["--log_dir", str(tmp_path / "logs")] if user_log_dir else []
+    done = subprocess.run([*CLI, "--cpu", "--num_processes", "2", *QUIET, *extra, WORKER],
+                          env=worker_env(tmp_path, "allreduce", TMPDIR=str(scratch)), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert not list(scratch.glob("torchelastic_*")), sorted(p.name for p in scratch.iterdir())
+    if user_log_dir:
+        assert any((tmp_path / "logs").rglob("*.log"))  # the user's folder got torchrun's per-rank logs
