@@ -27,6 +27,9 @@ from prefect_accelerate.config.io import LoadedConfig, load_config_path
 from prefect_accelerate.config.model import SECTION_MODELS, ClusterConfig, SageMakerConfig, as_bool
 from prefect_accelerate.config.paths import find_default_config
 from prefect_accelerate.errors import ConfigError, UsageError
+
+#: seconds a Prefect worker waits after SIGTERM before it kills a cancelled flow-run process (prefect-and-peers §2.8)
+PREFECT_KILL_SECONDS = 30
 from prefect_accelerate.launchers.flags import HONOURED_CONFIG_SCALARS, LAUNCH_DEFAULTS, SECRET_DESTS
 from prefect_accelerate.launchers.host import HostProbe, local_host
 
@@ -297,6 +300,16 @@ def resolve_launch_options(
                         f"\t`--num_cpu_threads_per_process` was set to `{threads}` to improve out-of-box performance when training on CPUs"
                     )
 
+    grace = a.get("grace_period")
+    if grace is not None:
+        if float(grace) <= 0:
+            raise UsageError(f"--grace_period is {grace}: it must be a number of seconds above 0 (default 20).")
+        if float(grace) >= PREFECT_KILL_SECONDS:
+            notes.append(
+                f"--grace_period {grace:g} s is not below Prefect's {PREFECT_KILL_SECONDS} s: a worker cancelling this flow run "
+                "kills the flow-run process before the grace ends, so the launcher's own SIGKILL may not come; the "
+                "package's on_cancellation hook still ends the recorded processes. Use less than 30 s under Prefect."
+            )
     if warned:
         extra["defaults_warning"] = "\n".join([DEFAULTS_WARNING_HEAD, *warned, DEFAULTS_WARNING_TAIL])
     extra.update(given=given_set, mixed_precision_from_config=mp_from_config, notes=tuple(notes))

@@ -199,3 +199,11 @@ def test_port_zero_is_refused_on_a_machine_that_is_not_the_main_one():
                     "--main_process_ip", "10.0.0.1", "--main_process_port", "0", "t.py")
     with pytest.raises(UsageError, match="machine rank 1"):
         plan_launch(options, GPU8)
+
+
+def test_grace_period_must_be_positive_and_is_warned_about_at_prefects_kill_time():
+    with pytest.raises(UsageError, match="--grace_period is 0.0: it must be a number of seconds above 0"):
+        parse("--cpu", "--grace_period", "0", "t.py")
+    assert not any("grace_period" in note for note in parse("--cpu", "--grace_period", "29", "t.py").notes)
+    long = parse("--cpu", "--grace_period", "30", "t.py")
+    assert any("--grace_period 30 s is not below Prefect's 30 s" in note for note in long.notes)
