@@ -190,7 +190,9 @@ def build_graph(request: PipelineRequest, *, host=None, with_status: bool = True
 
             settings = settings_from_options(options, cwd=request.cwd)
             steps["deepspeed-check"].inputs = {
-                "deepspeed settings": digest(settings), "deepspeed json": file_digest(settings.get("deepspeed_config_file")),
+                "deepspeed settings": digest(settings),
+                "deepspeed json": file_digest(Path(request.cwd or ".", options.deepspeed_config_file)
+                                              if options.deepspeed_config_file else None),
                 "environment": env_digest, "model config": model,
             }
         steps["install-test"].inputs = {"launch settings": settings_digest(options), "config file": config_inputs["config file"], "environment": env_digest}

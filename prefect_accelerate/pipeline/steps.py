@@ -91,7 +91,7 @@ def deepspeed_step(request: PipelineRequest, estimate=None):
     check = check_deepspeed(
         zero_stage=int(settings.get("zero_stage") or 0), gpus_per_node=per_node, num_nodes=int(options.num_machines),
         offload_optimizer_device=settings.get("offload_optimizer_device"), offload_param_device=settings.get("offload_param_device"),
-        **params,
+        zero3_init=bool(settings.get("zero3_init", True)), **params,
     )
     if not check.ok:
         raise PreflightError("The DeepSpeed check failed: " + " ".join(check.problems))

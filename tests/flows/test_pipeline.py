@@ -100,6 +100,27 @@ def test_a_library_upgrade_reruns_the_memory_estimate(tmp_path, tiny_gpt2, monke
     assert graph.step("config").status == "would use cache"
 
 
+def test_deepspeed_check_runs_and_reruns_only_when_its_json_changes(tmp_path, tiny_gpt2):
+    pytest.importorskip("deepspeed")
+    from prefect_accelerate.flows.pipeline import preflight
+
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text('{"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1}\n')
+    config = tmp_path / "ds.yaml"
+    config.write_text(f"distributed_type: DEEPSPEED\nnum_processes: 2\n"
+                      f"deepspeed_config:\n  deepspeed_config_file: {ds_json}\n  zero3_init_flag: false\n")
+    request = PipelineRequest(script=EXAMPLE, config_file=str(config), model=tiny_gpt2, memory=MemorySettings(device_memory="8GiB"),
+                              run_install_test=False, launch_flags={"dynamo_backend": "no"})
+    first = statuses(preflight(request))
+    first.pop("env")  # the environment report may come from an earlier test's run: same machine
+    assert first == {"config": "ran", "memory": "ran", "memory-fit": "ran", "deepspeed-check": "ran", "install-test": "skipped"}
+    assert statuses(preflight(request))["deepspeed-check"] == "cached"
+    ds_json.write_text(ds_json.read_text().replace('"train_micro_batch_size_per_gpu": 1', '"train_micro_batch_size_per_gpu": 2'))
+    third = preflight(request)
+    assert statuses(third) == {"config": "cached", "env": "cached", "memory": "cached", "memory-fit": "cached",
+                               "deepspeed-check": "ran", "install-test": "skipped"}
+
+
 def test_a_failed_step_stops_before_the_launch_and_names_the_step(tmp_path):
     from prefect_accelerate.flows.pipeline import launch_training
 
