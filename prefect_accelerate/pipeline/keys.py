@@ -1,8 +1,10 @@
 """Content-hash cache keys for preflight steps (Nextflow's `-resume`, Snakemake's rerun triggers).
 
 A step's key is the hash of exactly the inputs it reads: file contents (config file, DeepSpeed JSON,
-script, model config), the settings derived from them that the step uses, an environment
-fingerprint (versions, devices) and the package version. Change one byte of the config and only the
+model config), the settings derived from them that the step uses, the script's path (its content is
+read only by the launch, which is never cached), the environment it depends on (the whole fingerprint
+of versions and devices for env, deepspeed-check and install-test; torch/transformers/timm versions
+for memory) and the package version. Change one byte of the config and only the
 steps that read that byte re-run. Never Prefect's default run-scoped policy; never for a real launch.
 """
 
