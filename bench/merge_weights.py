@@ -1,7 +1,7 @@
 """Time merge-weights against Accelerate's merge_fsdp_weights on the same checkpoint (not a test; prints a table).
 
-    python tests/merge/scripts/bench_merge.py                      # the test checkpoint (hidden 16)
-    python tests/merge/scripts/bench_merge.py --hidden 1792 --layers 4   # ~205 MB of weights
+    .venv/bin/python bench/merge_weights.py                      # the test checkpoint (hidden 16)
+    .venv/bin/python bench/merge_weights.py --hidden 1792 --layers 4   # ~205 MB of weights
 
 The checkpoint is made by make_checkpoint.py through our launcher (two FSDP2 ranks on CPU). Each merge
 runs in a fresh process, so the times exclude the torch import and peak memory (ru_maxrss) is per merge.
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent.parent / "tests" / "merge" / "scripts"  # make_checkpoint.py
 
 _RUN = r"""
 import json, resource, sys, time, warnings
