@@ -62,6 +62,23 @@ def hf_home(tmp_path, monkeypatch) -> Path:
     return home
 
 
+@pytest.fixture(autouse=True)
+def no_traffic_off_this_machine():
+    """Every test runs under the network guard (tests/launchers/fakes/netguard.py): a connection or a name
+    lookup for anything but loopback fails the call at once and, here, the test. Child processes are not
+    covered; those that could reach a cloud (gcloud) run in a network namespace of their own."""
+    sys.path.insert(0, str(REPO / "tests" / "launchers" / "fakes"))
+    try:
+        from netguard import BLOCKED, guarded
+    finally:
+        sys.path.remove(str(REPO / "tests" / "launchers" / "fakes"))
+    before = len(BLOCKED)
+    with guarded():
+        yield
+    attempted = BLOCKED[before:]
+    assert not attempted, f"the test tried to reach beyond this machine: {attempted}"
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

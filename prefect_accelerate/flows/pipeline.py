@@ -79,8 +79,13 @@ class _Runner:
             step = self.graph.step(name)
             if step.key:
                 index.record(self.graph.pipeline_id, name, step.key, step.inputs)
-            self.outcomes[name] = StepOutcome(step=name, status="cached" if cached else "ran", duration_s=duration,
-                                              reason="inputs unchanged" if cached else self.graph.step(name).reason or "")
+            reason = "inputs unchanged" if cached else self.graph.step(name).reason or ""
+            if name == "config":  # an old-format config is worth seeing in the summary, not only in the task log
+                notes = getattr(self.results[name], "notes", None) or []
+                migrated = [note for note in notes if "older format" in note]
+                if migrated:
+                    reason = f"{reason}; {migrated[0]}" if reason else migrated[0]
+            self.outcomes[name] = StepOutcome(step=name, status="cached" if cached else "ran", duration_s=duration, reason=reason)
             return True
         error = state.result(raise_on_failure=False)
         text = failure_text(error) if isinstance(error, BaseException) else str(state.message or state.name)

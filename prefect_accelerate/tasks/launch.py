@@ -96,6 +96,9 @@ def launch(
     for warning in plan.warnings:
         logger.warning(warning)
     logger.info("Launching: %s", plan.command_line())
+    env = plan.redacted_env()
+    if env:
+        logger.info("Environment added for the launch: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
 
     def log_line(label: str, line: str) -> None:
         logger.info("[%s] %s", label, line)

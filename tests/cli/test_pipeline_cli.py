@@ -62,3 +62,32 @@ def test_untracked_validate_reports_each_config_and_fails_when_one_does(tmp_path
     captured = capfd.readouterr()
     assert "ok   good.yaml" in captured.out and "FAIL bad.yaml" in captured.out and "mixed_precision" in captured.out
     assert "1 of 2 config(s) failed." in captured.err
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_harness")
+def test_tracked_pipeline_resumes_from_the_cache_in_a_new_process(tmp_path):
+    """Two separate CLI processes against one Prefect API: the second takes every preflight step from the
+    cache the first one filled (results persisted under PREFECT_HOME), and only the training runs again."""
+    import os
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    config = tmp_path / "cpu.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nmixed_precision: 'no'\n")
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_ACCELERATE_STATE_DIR": str(tmp_path / "state")}
+    argv = [sys.executable, "-m", "prefect_accelerate.cli.main", "pipeline", "--track", "--config_file", str(config),
+            "--dynamo_backend", "no", EXAMPLE]
+
+    def steps_of(done) -> dict[str, str]:
+        assert done.returncode == 0, done.stderr[-3000:]
+        names = ("config", "env", "install-test")
+        return {line.split()[0]: line.split()[1] for line in done.stdout.splitlines() if line.split()[:1] and line.split()[0] in names}
+
+    first = steps_of(subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300))
+    assert first["config"] == "ran" and first["install-test"] == "ran"
+    second = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert steps_of(second) == {"config": "cached", "env": "cached", "install-test": "cached"}
+    assert "all_reduce sum = 3.0" in second.stdout + second.stderr  # the training itself ran again

@@ -76,3 +76,32 @@ def test_mps_is_reported_with_the_chip_line(monkeypatch):
     report = collect_env_report(check_imports=False)
     assert report.accelerator == "MPS"
     assert report.device_line is not None and report.device_line[0] == "MPS type" and report.device_line[1]
+
+
+@pytest.mark.parametrize("kind,key,distributed_type", [("xpu", "XPU type", "MULTI_XPU"), ("npu", "CANN version", "MULTI_NPU"),
+                                                       ("mlu", "MLU type", "MULTI_MLU")])
+def test_other_accelerators_are_detected_reported_and_configured(monkeypatch, kind, key, distributed_type):
+    """Two fake devices of each non-CUDA kind (their torch plug-in packages cannot be installed here)."""
+    from prefect_accelerate.envreport import devices
+
+    names = (f"Fake {kind.upper()} 0", f"Fake {kind.upper()} 1")
+    fake = SimpleNamespace(is_available=lambda: True, device_count=lambda: 2,
+                           get_device_properties=lambda index=0: SimpleNamespace(name=names[index], total_memory=32 * GIB))
+    monkeypatch.setattr(devices, "_PLUGINS", {})  # no torch_npu / torch_mlu import needed for the fake
+    monkeypatch.setattr(torch, kind, fake, raising=False)
+    monkeypatch.setattr(torch.version, "cann", "8.0.RC1", raising=False)
+    info = detect_accelerator()
+    assert info.kind == kind and [d.name for d in info.devices] == list(names) and info.devices[1].total_memory == 32 * GIB
+    assert device_line(info) == (key, "8.0.RC1" if kind == "npu" else names[0])
+    config = build_default_config()
+    assert config.to_dict()["distributed_type"] == distributed_type and config.num_processes == 2
+
+
+def test_cuda_cudnn_and_nccl_versions_are_reported_as_a_cuda_build_gives_them(two_gpus, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 90300)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    report = collect_env_report(check_imports=False)
+    assert (report.cuda_version, report.cudnn_version, report.nccl_version) == ("12.8", "90300", "2.27.3")
+    text = render_text(report)
+    assert "- NCCL version: 2.27.3" in text and "- CUDA version: 12.8" in text and "- cuDNN version: 90300" in text

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -44,9 +46,9 @@ def test_resume_skips_unchanged_steps_and_one_byte_reruns_exactly_its_dependents
     config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nmixed_precision: 'no'\ndebug: false\n")
     request = PipelineRequest(script=EXAMPLE, config_file=str(config), model=tiny_gpt2, memory=MemorySettings(device_memory="8GiB"),
                               launch_flags={"dynamo_backend": "no"})
-    first = preflight(request)
-    assert statuses(first) == {"config": "ran", "env": "ran", "memory": "ran", "memory-fit": "ran",
-                               "deepspeed-check": "skipped", "install-test": "ran"}
+    first = statuses(preflight(request))
+    first.pop("env")  # the environment report may come from an earlier test's run: same machine
+    assert first == {"config": "ran", "memory": "ran", "memory-fit": "ran", "deepspeed-check": "skipped", "install-test": "ran"}
     second = preflight(request)
     assert statuses(second) == {"config": "cached", "env": "cached", "memory": "cached", "memory-fit": "cached",
                                 "deepspeed-check": "skipped", "install-test": "cached"}
@@ -121,6 +123,17 @@ def test_deepspeed_check_runs_and_reruns_only_when_its_json_changes(tmp_path, ti
                                "deepspeed-check": "ran", "install-test": "skipped"}
 
 
+def test_an_old_format_config_is_named_in_the_preflight_summary(tmp_path):
+    from prefect_accelerate.flows.pipeline import preflight
+
+    config = tmp_path / "old.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nfp16: false\nnum_processes: 2\nuse_cpu: true\n")
+    report = preflight(PipelineRequest(script=EXAMPLE, config_file=str(config), run_install_test=False,
+                                       launch_flags={"dynamo_backend": "no"}))
+    step = next(s for s in report.steps if s.step == "config")
+    assert step.status == "ran" and "older format" in step.reason and "config update" in step.reason
+
+
 def test_a_failed_step_stops_before_the_launch_and_names_the_step(tmp_path):
     from prefect_accelerate.flows.pipeline import launch_training
 
@@ -164,13 +177,17 @@ def _resume_when_paused(approve: bool, found: dict) -> None:
     async def paused_run():
         async with get_client() as client:
             runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(state=FlowRunFilterState(name=FlowRunFilterStateName(any_=["Paused"]))))
-            return runs[0].id if runs else None
+            if not runs:
+                return None, None
+            keyset = runs[0].state.state_details.run_input_keyset or {}
+            description = await client.read_flow_run_input(runs[0].id, keyset["description"]) if "description" in keyset else None
+            return runs[0].id, description
 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        run_id = asyncio.run(paused_run())
+        run_id, description = asyncio.run(paused_run())
         if run_id:
-            found["id"] = run_id
+            found["id"], found["description"] = run_id, description
             resume_flow_run(run_id, run_input={"approve": approve, "note": "from the test"})
             return
         time.sleep(1)
@@ -189,6 +206,12 @@ def test_approval_gate_launches_only_when_approved(approve):
     helper.join(timeout=5)
     assert "id" in found
     assert result.launched is approve and result.approved is approve
+    # the form the approver sees: the script, every preflight step, and the exact launch plan
+    raw = found["description"] or ""
+    description = json.loads(raw) if raw.startswith('"') else raw  # stored as a JSON value
+    assert "## Approve this launch?" in description and "ddp_allreduce.py" in description
+    assert re.search(r"\| config \| (ran|cached) \|", description)
+    assert '"argv": [' in description and '"torch.distributed.run"' in description and '"ACCELERATE_USE_CPU": "True"' in description
 
 
 def test_validate_configs_reports_every_config_and_fails_when_one_does(tmp_path):

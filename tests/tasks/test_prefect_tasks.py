@@ -101,6 +101,8 @@ def test_launch_lines_reach_the_run_logger_with_rank_labels_and_an_artifact(monk
     expected = ("[rank 0] rank 0 of 2 sum 3.0", "[rank 1] rank 1 of 2 sum 3.0")
     messages = _logs(seen["id"], expected)
     assert all(line in messages for line in expected), messages
+    env_lines = [m for m in messages if m.startswith("Environment added for the launch:")]
+    assert len(env_lines) == 1 and "ACCELERATE_USE_CPU=True" in env_lines[0]
     artifact = _artifact("launch-result")
     assert artifact is not None and "Launch succeeded" in artifact.data
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import socket
 import sys
 
 BLOCKED: list[str] = []
+_OWN_NAME = socket.gethostname()
 _STATE = {"on": 0, "installed": False}
 
 
@@ -22,8 +24,8 @@ def _loopback(host) -> bool:  # noqa: ANN001
     if isinstance(host, bytes):
         host = host.decode(errors="replace")
     text = str(host)
-    if text in ("localhost", "") or text.endswith(".localhost"):
-        return True
+    if text in ("localhost", "", _OWN_NAME) or text.endswith(".localhost"):
+        return True  # this machine's own name resolves through /etc/hosts, not the network
     try:
         return ipaddress.ip_address(text.split("%")[0]).is_loopback
     except ValueError:
