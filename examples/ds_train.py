@@ -85,6 +85,10 @@ def main() -> None:
         engine.save_checkpoint(args.save_dir, tag=f"step{args.steps}")
         print(f"rank {rank} saved {args.save_dir}", flush=True)
     torch.distributed.barrier()
+    # leave cleanly: a process that exits while DeepSpeed's engine and the gloo group are still alive can
+    # abort in their C++ destructors ("terminate called without an active exception", SIGABRT)
+    engine.destroy()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

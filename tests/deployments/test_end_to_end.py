@@ -8,7 +8,6 @@ each of them is gone. The module shares one server, one deploy and the two worke
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,6 @@ EXAMPLE = "examples/ddp_allreduce.py"
 NODE_JOB = str(Path(__file__).resolve().parent / "scripts" / "node_job.py")
 QUIET = {"cpu": True, "num_processes": 4, "mixed_precision": "no", "dynamo_backend": "no", "rdzv_conf": "join_timeout=120"}
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
-LEAD_FLOWS = ("prefect_accelerate.flows.pipeline", "prefect_accelerate.flows.validate")
 
 pytestmark = pytest.mark.slow
 
@@ -34,18 +32,13 @@ class Cluster:
     logs: Path
 
 
-def _lead_flows_present() -> bool:
-    return all(importlib.util.find_spec(name) is not None for name in LEAD_FLOWS)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("deployments")
     with running_server(root / "prefect-home") as server:
         server.cli("work-pool", "create", "--type", "process", POOL)
-        # the command deployments/README.md gives; until every entrypoint exists, only the multi-node ones
-        which = ["--all"] if _lead_flows_present() else ["--name", "per-node", "--name", "cluster"]
-        server.cli("deploy", *which, "--prefect-file", PREFECT_FILE, cwd=str(REPO), timeout=240)
+        # the command deployments/README.md gives
+        server.cli("deploy", "--all", "--prefect-file", PREFECT_FILE, cwd=str(REPO), timeout=240)
         # a worker polling a queue that does not exist polls nothing at all, silently, so machine 0's
         # queue comes first (that worker also serves `default`); machine 1's is left to multinode_launch,
         # which creates missing node queues (the worker finds the runs on its next poll)
@@ -88,7 +81,8 @@ def test_deploy_from_the_repository_root_stores_the_checkout_as_working_director
 
 
 def test_the_nightly_validation_is_scheduled_one_run_at_a_time(cluster):
-    validate = pytest.importorskip("prefect_accelerate.flows.validate")
+    from prefect_accelerate.flows import validate
+
     with cluster.server.client() as client:
         nightly = client.read_deployment_by_name(f"{validate.validate_configs.name}/nightly")
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [("0 2 * * *", "UTC", True)]
@@ -163,8 +157,8 @@ def test_cancelling_the_launch_cancels_every_machine(cluster, stopping_launches)
 
 
 def test_nightly_validation_and_pipeline_deployments_complete_with_their_artifacts(cluster):
-    validate = pytest.importorskip("prefect_accelerate.flows.validate")
-    pipeline = pytest.importorskip("prefect_accelerate.flows.pipeline")
+    from prefect_accelerate.flows import pipeline, validate
+
     server = cluster.server
     # both with the parameters prefect.yaml gives: deployments/configs (2 CPU processes) and the tiny example;
     # started together so their process start-ups overlap
