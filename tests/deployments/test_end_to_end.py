@@ -98,15 +98,16 @@ def test_two_machines_on_two_queues_run_one_world_of_four(cluster):
     )
     nodes = nodes_of(server, parent)
     assert sorted(nodes) == ["node-launch-rank0-of-2", "node-launch-rank1-of-2"]
-    assert any("Created work queue(s) ['accelerate-node-1']" in line for line in server.logs(parent))
+    assert "Created work queue(s) ['accelerate-node-1']" in server.logs_with([parent], "Created work queue(s) ['accelerate-node-1']")
     assert {run.state_type.value for run in nodes.values()} == {"COMPLETED"}
     assert nodes["node-launch-rank1-of-2"].work_queue_name == "accelerate-node-1"
     # port 0: machine 0 picked one and machine 1 was started with it
     port = table(server, str(nodes["node-launch-rank0-of-2"].id), "node-rendezvous")[0]["main_process_port"]
     assert nodes["node-launch-rank1-of-2"].parameters["request"]["main_process_port"] == port > 0
-    lines = "\n".join(line for run in nodes.values() for line in server.logs(str(run.id)))
-    for rank in range(4):
-        assert f"rank {rank}/4: all_reduce sum = 10.0" in lines
+    expected = [f"rank {rank}/4: all_reduce sum = 10.0" for rank in range(4)]
+    lines = server.logs_with([str(run.id) for run in nodes.values()], *expected)
+    for line in expected:
+        assert line in lines
     summary = table(server, parent, "multinode-launch")
     assert [(row["rank"], row["state"], row["exit code"]) for row in summary] == [(0, "Completed", 0), (1, "Completed", 0)]
     # run_deployment's placeholder task per node in the parent's graph ends with its node, not Pending
@@ -153,7 +154,7 @@ def test_cancelling_the_launch_cancels_every_machine(cluster, stopping_launches)
     assert wait_for_state(server, parent, FINAL, timeout=120) == "CANCELLED"
     for run in nodes_of(server, parent).values():
         assert wait_for_state(server, str(run.id), FINAL, timeout=60) == "CANCELLED"
-    assert any("node run(s) to cancel" in line for line in server.logs(parent)), server.logs(parent)[-10:]
+    assert "node run(s) to cancel" in server.logs_with([parent], "node run(s) to cancel"), server.logs(parent)[-10:]
 
 
 def test_nightly_validation_and_pipeline_deployments_complete_with_their_artifacts(cluster):
@@ -169,4 +170,4 @@ def test_nightly_validation_and_pipeline_deployments_complete_with_their_artifac
     rows = table(server, nightly, validate.VALIDATION_ARTIFACT_KEY)
     assert [(row["config"], row["ok"]) for row in rows] == [("cpu-2proc.yaml", "yes")], rows
     assert {a.key for a in server.artifacts(training)} >= {pipeline.PIPELINE_ARTIFACT_KEY, "launch-result"}
-    assert "rank 1/2: all_reduce sum = 3.0" in "\n".join(server.logs(training))
+    assert "rank 1/2: all_reduce sum = 3.0" in server.logs_with([str(training)], "rank 1/2: all_reduce sum = 3.0")

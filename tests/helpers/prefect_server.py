@@ -105,6 +105,16 @@ class PrefectServer:
         with self.client() as client:
             return [log.message for log in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
 
+    def logs_with(self, flow_run_ids: list[str], *expected: str, timeout: float = 30.0) -> str:
+        """The joined log messages of these flow runs once every expected text is in them (a run's state can
+        reach the server before its process's last batch of logs does), or whatever is there at the timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = "\n".join(line for run in flow_run_ids for line in self.logs(str(run)))
+            if all(part in text for part in expected) or time.monotonic() > deadline:
+                return text
+            time.sleep(0.5)
+
 
 def stop(process: subprocess.Popen, *, worker: bool = False) -> None:
     if process.poll() is not None:
