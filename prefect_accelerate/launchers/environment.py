@@ -136,6 +136,11 @@ def dynamo_env(options) -> Env:
     return env
 
 
+def cpu_kmp_env() -> Env:
+    """The OpenMP settings Accelerate's simple launcher gives CPU runs (reference §4.3.1, 1.16.0)."""
+    return {"KMP_AFFINITY": "granularity=fine,compact,1,0", "KMP_BLOCKTIME": "1"}
+
+
 def threads_env(options) -> Env:
     return {"OMP_NUM_THREADS": _text(options.num_cpu_threads_per_process)}
 

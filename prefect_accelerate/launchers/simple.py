@@ -68,8 +68,7 @@ def plan_simple(options, host: HostProbe, cwd: str, run_dir: str | None) -> Laun
         env["MASTER_ADDR"] = options.main_process_ip if options.main_process_ip is not None else "127.0.0.1"
         env["MASTER_PORT"] = str(options.main_process_port) if options.main_process_port is not None else "29500"
     if use_cpu:
-        env["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
-        env["KMP_BLOCKTIME"] = "1"
+        env |= blocks.cpu_kmp_env()
     env |= blocks.mixed_precision_env(options)
     env |= blocks.fp8_env(options, host)
     env |= blocks.dynamo_env(options)

@@ -124,9 +124,7 @@ def multi_process_env(options, host: HostProbe, *, cpu: bool) -> tuple[dict[str,
     if cpu:
         # ours: without it each worker's Accelerator() believes it is alone (spike §5.1)
         env["ACCELERATE_USE_CPU"] = "True"
-        # what Accelerate's simple launcher (the one it uses for --cpu) sets for CPU runs
-        env["KMP_AFFINITY"] = "granularity=fine,compact,1,0"
-        env["KMP_BLOCKTIME"] = "1"
+        env |= blocks.cpu_kmp_env()  # as Accelerate's simple launcher (its --cpu path) sets them
     return env, warnings
 
 
