@@ -14,6 +14,7 @@ same evaluation batch: equal values mean the ranks hold the same weights. A clie
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 
@@ -85,9 +86,12 @@ def main() -> None:
         engine.save_checkpoint(args.save_dir, tag=f"step{args.steps}")
         print(f"rank {rank} saved {args.save_dir}", flush=True)
     torch.distributed.barrier()
-    # leave cleanly: a process that exits while DeepSpeed's engine and the gloo group are still alive can
-    # abort in their C++ destructors ("terminate called without an active exception", SIGABRT)
+    # leave cleanly: a process whose engine (or DDP module) is still alive when the interpreter shuts down can
+    # abort in gloo's C++ destructors ("terminate called without an active exception", SIGABRT). So drop every
+    # reference, collect the cycles while the group still exists, then destroy the group.
     engine.destroy()
+    del engine, loss_of, model, optimizer, loss
+    gc.collect()
     torch.distributed.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ ends with the same weights. Runs on CPU (gloo) or GPUs (NCCL), under `prefect-ac
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -50,6 +51,10 @@ def main() -> None:
                 break
     checksum = sum(p.detach().sum().item() for p in model.parameters())
     print(f"rank {rank}/{world} finished {step} steps, weight checksum {checksum:.6f}", flush=True)
+    # free the DDP module (it sits in reference cycles) while the group is alive: left to the interpreter's
+    # shutdown, gloo's destructors can abort the process (SIGABRT) after a successful run
+    del model, optimizer, loss
+    gc.collect()
     dist.destroy_process_group()
 
 

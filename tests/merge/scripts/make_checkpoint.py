@@ -20,6 +20,7 @@ DCP's de-duplication), a non-persistent buffer that must not appear, and a 0-dim
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -136,6 +137,8 @@ def main() -> None:
         }
         (args.output / "info.json").write_text(json.dumps(info, indent=1))
         print(f"saved a {world}-way sharded checkpoint to {args.output}", flush=True)
+    del model, optimizer, sharded, full
+    gc.collect()  # free the sharded module while the group is alive (gloo can abort at interpreter shutdown otherwise)
     dist.barrier()
     dist.destroy_process_group()
 
