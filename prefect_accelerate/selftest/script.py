@@ -17,6 +17,7 @@ import gc
 import os
 import socket
 import sys
+import time
 import traceback
 
 import torch
@@ -97,9 +98,36 @@ def check_all_gather() -> str:
     return f"{world} tensors gathered in rank order"
 
 
+BARRIER_LATE_SECONDS = 0.3
+
+
 def check_barrier() -> str:
+    # Every rank but 0 arrives late and, just before the barrier, writes an arrival key into the group's
+    # rendezvous store. A barrier that lets a rank through before the others arrive leaves it looking at
+    # missing keys, so this check fails instead of passing (or hanging) on a broken barrier.
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = _group_store()
+    if store is None:
+        dist.barrier()
+        return "every rank reached the barrier (arrival order not verified: no rendezvous store)"
+    if rank > 0:
+        time.sleep(BARRIER_LATE_SECONDS)
+    store.set(f"selftest/barrier/{rank}", "arrived")
     dist.barrier()
-    return "every rank reached the barrier"
+    missing = [r for r in range(world) if not store.check([f"selftest/barrier/{r}"])]
+    assert not missing, f"left the barrier before rank(s) {missing} arrived"
+    if world == 1:
+        return "one process: the barrier returned"
+    return f"no rank left the barrier before all {world} arrived (ranks 1..{world - 1} came {BARRIER_LATE_SECONDS:g} s late)"
+
+
+def _group_store():
+    """The default group's key-value store, or None where this torch does not expose it."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        return None
 
 
 def check_rng_sync() -> str:
