@@ -1,9 +1,13 @@
 """A SageMaker training job's lifecycle: submit, follow (status and CloudWatch logs), stop, report.
 
-`run_job(plan, ...)` is what `execute()` calls for a SageMaker plan. It builds the job with the SageMaker
-SDK 3 (`ModelTrainer`: the SDK uploads the source folder and its drivers to S3 and calls
-CreateTrainingJob), then follows it with plain boto3 calls: DescribeTrainingJob every few seconds and the
-job's log streams (`/aws/sagemaker/TrainingJobs`, `<job>/algo-N-...`) into `on_line`, labelled `algo-N`.
+`SageMakerJobRun` is the handle on one job (Prefect's `JobRun`): `submit` builds the job with the
+SageMaker SDK 3 (`ModelTrainer`: the SDK uploads the source folder and its drivers to S3 and calls
+CreateTrainingJob); `poll`/`wait` follow it with plain boto3 calls, DescribeTrainingJob every few seconds
+and the job's log streams (`/aws/sagemaker/TrainingJobs`, `<job>/algo-N-...`) labelled `algo-N`; `stop`
+sends StopTrainingJob; `result` returns the finished job or raises with its FailureReason.
+
+`run_job(plan, ...)` is what `execute()` calls for a SageMaker plan: it submits, follows the job into
+`on_line` and turns the outcome into a SageMakerLaunchResult.
 A deadline, Ctrl-C, SIGTERM or a Prefect cancellation stops the job (StopTrainingJob) before the
 exception goes on; the job's name is recorded in a state file so the flow's cancellation hook can stop
 it too (`stop_recorded_jobs`). A failed job's FailureReason becomes the LaunchError's message.
@@ -19,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from prefect.blocks.abstract import JobRun
 from pydantic import BaseModel
 
 from prefect_accelerate.errors import DependencyError, LaunchError
@@ -299,39 +304,143 @@ class _Output:
         self.log.close()
 
 
-def watch(sm, logs, name: str, output: Callable[[str, str], None], *, deadline: float | None,
-          poll_seconds: float = POLL_SECONDS, sleep: Callable[[float], None] = time.sleep) -> tuple[dict[str, Any], bool]:
-    """Follow the job until it ends or the deadline passes: (last description, timed out)."""
-    follower = LogFollower(logs, name)
-    last_status = None
-    while True:
-        description = sm.describe_training_job(TrainingJobName=name)
-        for label, line in follower.poll():
-            output(label, line)
-        status = (description.get("TrainingJobStatus"), description.get("SecondaryStatus"))
-        if status != last_status:
-            output("sagemaker", f"{name}: {status[0]} ({status[1]})")
-            last_status = status
-        if status[0] in TERMINAL:
-            return description, False
-        if deadline is not None and time.monotonic() >= deadline:
-            return description, True
-        sleep(poll_seconds)
+class SageMakerJobRun(JobRun[SageMakerJob]):
+    """A handle on one training job: its status, its logs, stopping it, waiting for it, its result.
+
+    It is Prefect's `JobRun`: in a flow, `await job.wait_for_completion()` then `await job.fetch_result()`;
+    anywhere, the plain methods do the same synchronously. Used as a context manager, it stops the job
+    when the block exits with an exception (Ctrl-C, SIGTERM, a Prefect cancellation):
+
+        with SageMakerJobRun.submit(spec, session, secret_env) as job:
+            job.wait(timeout=3600)
+        print(job.result().model_artifacts)
+
+    Log lines and status changes go to `output(label, line)`: labels are `algo-N` for the instances'
+    CloudWatch streams and `sagemaker` for the job itself. Without an `output`, they go to the run logger.
+    """
+
+    def __init__(self, name: str, sm, logs, region: str, *, output: LineCallback | None = None,
+                 poll_seconds: float = POLL_SECONDS, stop_wait_seconds: float = STOP_WAIT_SECONDS,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.name = name
+        self.region = region
+        self.sm = sm
+        self.poll_seconds = poll_seconds
+        self.stop_wait_seconds = stop_wait_seconds
+        self.sleep = sleep
+        self._output = output
+        self._follower = LogFollower(logs, name)
+        self._seen_status: tuple[str | None, str | None] | None = None
+        self.description: dict[str, Any] | None = None
+
+    # --- making one ----------------------------------------------------------------------------
+
+    @classmethod
+    def submit(cls, spec: SageMakerJobSpec, session, secret_env: dict[str, str], **kwargs: Any) -> SageMakerJobRun:
+        """Create the training job (CreateTrainingJob through the SDK) and return its handle."""
+        name = submit(spec, session, secret_env)
+        return cls(name, session.client("sagemaker"), session.client("logs"), spec.region, **kwargs)
+
+    @classmethod
+    def attach(cls, name: str, region: str, credentials: aws_credentials.CredentialSource | None = None,
+               **kwargs: Any) -> SageMakerJobRun:
+        """A handle on a job that already exists (submitted by another process, say), by name."""
+        session = aws_credentials.boto_session(credentials or aws_credentials.CredentialSource(source="environment"), region)
+        return cls(name, session.client("sagemaker"), session.client("logs"), region, **kwargs)
+
+    # --- looking at it -------------------------------------------------------------------------
+
+    def emit(self, label: str, line: str) -> None:
+        if self._output is not None:
+            self._output(label, line)
+        else:
+            self.logger.info("[%s] %s", label, line)
+
+    def describe(self) -> SageMakerJob:
+        """DescribeTrainingJob now."""
+        self.description = self.sm.describe_training_job(TrainingJobName=self.name)
+        return SageMakerJob.from_description(self.description, self.region)
+
+    @property
+    def status(self) -> str:
+        """The status SageMaker reported last (call `describe()` or `poll()` for a fresh one)."""
+        return (self.description or {}).get("TrainingJobStatus") or "Unknown"
+
+    @property
+    def finished(self) -> bool:
+        return self.status in TERMINAL
+
+    def new_log_lines(self) -> list[tuple[str, str]]:
+        """The log lines written since the last call, as (instance label, line)."""
+        return self._follower.poll()
+
+    def poll(self) -> SageMakerJob:
+        """One round: status and new log lines to the output (a status line only when it changed)."""
+        job = self.describe()
+        for label, line in self.new_log_lines():
+            self.emit(label, line)
+        status = (job.status, job.secondary_status)
+        if status != self._seen_status:
+            self.emit("sagemaker", f"{self.name}: {status[0]} ({status[1]})")
+            self._seen_status = status
+        return job
+
+    # --- waiting, stopping, the outcome ----------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> SageMakerJob:
+        """Follow the job until it ends or `timeout` seconds pass (then it is still running: see `finished`)."""
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        while True:
+            job = self.poll()
+            if self.finished or (deadline is not None and time.monotonic() >= deadline):
+                return job
+            self.sleep(self.poll_seconds)
+
+    def stop(self, wait_seconds: float | None = None) -> SageMakerJob | None:
+        """StopTrainingJob, then give the job `wait_seconds` (default: `stop_wait_seconds`) to leave InProgress.
+
+        Its last state, if read."""
+        self.emit("sagemaker", f"Stopping training job {self.name}")
+        stop_job(self.sm, self.name)
+        end = time.monotonic() + (self.stop_wait_seconds if wait_seconds is None else wait_seconds)
+        job = None
+        while time.monotonic() < end:
+            job = self.describe()
+            if self.finished:
+                break
+            self.sleep(min(2.0, max(end - time.monotonic(), 0)))
+        return job
+
+    def result(self) -> SageMakerJob:
+        """The finished job; a LaunchError with SageMaker's FailureReason when it failed or was stopped."""
+        job = SageMakerJob.from_description(self.description, self.region) if self.finished else self.describe()
+        if job.status not in TERMINAL:
+            raise LaunchError(f"Training job {self.name} is still {job.status}: wait for it first (console: {job.console_url}).")
+        if job.status != "Completed":
+            raise LaunchError(failure_message(job))
+        return job
+
+    async def wait_for_completion(self) -> None:
+        import anyio
+
+        await anyio.to_thread.run_sync(self.wait)
+
+    async def fetch_result(self) -> SageMakerJob:
+        import anyio
+
+        return await anyio.to_thread.run_sync(self.result)
+
+    def __enter__(self) -> SageMakerJobRun:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:  # noqa: ANN001
+        if kind is not None and not self.finished:
+            with contextlib.suppress(Exception):  # the original exception is the one to report
+                self.stop()
 
 
-def stop_and_wait(sm, name: str, output: Callable[[str, str], None], *, wait_seconds: float = STOP_WAIT_SECONDS,
-                  sleep: Callable[[float], None] = time.sleep) -> dict[str, Any] | None:
-    """Send StopTrainingJob, then give the job a moment to leave InProgress; its last description, if any."""
-    output("sagemaker", f"Stopping training job {name}")
-    stop_job(sm, name)
-    end = time.monotonic() + wait_seconds
-    description = None
-    while time.monotonic() < end:
-        description = sm.describe_training_job(TrainingJobName=name)
-        if description.get("TrainingJobStatus") in TERMINAL:
-            break
-        sleep(min(2.0, max(end - time.monotonic(), 0)))
-    return description
+def failure_message(job: SageMakerJob) -> str:
+    return f"training job {job.name} {job.status.lower()}: {job.failure_reason or 'no reason given'} (console: {job.console_url})"
 
 
 def run_job(
@@ -365,40 +474,37 @@ def run_job(
         )
     output = _Output(on_line, run_dir / "launch.log", aws_credentials.secret_values(handle))
     started = time.monotonic()
-    name: str | None = None
+    job_run: SageMakerJobRun | None = None
     timed_out = False
     try:
         session = aws_credentials.boto_session(spec.credentials, spec.region)
-        sm, logs = session.client("sagemaker"), session.client("logs")
         with sigterm_as_exception():
             output("sagemaker", f"Submitting a training job {spec.base_job_name}-* ({spec.instance_count} x {spec.instance_type}, image {spec.image_uri})")
-            name = submit(spec, session, secret_env)
-            record_job(launch_id, {"job_name": name, "region": spec.region, "credentials": spec.credentials.model_dump(),
-                                   "flow_run_id": flow_run_id, "task_run_id": task_run_id, "started_at": time.time()})
-            output("sagemaker", f"Training job {name} created; console: {SageMakerJob(name=name, region=spec.region, status='?').console_url}")
-            deadline = started + timeout if timeout else None
-            description, timed_out = watch(sm, logs, name, output, deadline=deadline, poll_seconds=poll_seconds, sleep=sleep)
-            if timed_out:
-                description = stop_and_wait(sm, name, output, wait_seconds=min(grace, STOP_WAIT_SECONDS), sleep=sleep) or description
-    except BaseException:
-        if name is not None:  # Ctrl-C, SIGTERM, Prefect cancellation, or an error while watching
-            with contextlib.suppress(Exception):
-                stop_and_wait(sm, name, output, wait_seconds=min(grace, STOP_WAIT_SECONDS), sleep=sleep)
-        raise
+            job_run = SageMakerJobRun.submit(spec, session, secret_env, output=output, poll_seconds=poll_seconds,
+                                             stop_wait_seconds=min(grace, STOP_WAIT_SECONDS), sleep=sleep)
+            with job_run:  # an exception from here on (Ctrl-C, SIGTERM, a cancellation) stops the job
+                record_job(launch_id, {"job_name": job_run.name, "region": spec.region, "credentials": spec.credentials.model_dump(),
+                                       "flow_run_id": flow_run_id, "task_run_id": task_run_id, "started_at": time.time()})
+                output("sagemaker", f"Training job {job_run.name} created; console: "
+                       f"{SageMakerJob(name=job_run.name, region=spec.region, status='?').console_url}")
+                job_run.wait(timeout=timeout - (time.monotonic() - started) if timeout else None)
+                if not job_run.finished:
+                    timed_out = True
+                    job_run.stop()
     finally:
-        if name is not None:
+        if job_run is not None:
             forget_job(launch_id)
         aws_credentials.forget(handle)
         output.close()
 
-    job = SageMakerJob.from_description(description, spec.region)
+    job = SageMakerJob.from_description(job_run.description, spec.region)
+    name = job_run.name
     if timed_out:
         code, error = TIMEOUT_EXIT_CODE, f"training job {name} was stopped at the deadline ({timeout} s)"
     elif job.status == "Completed":
         code, error = 0, None
     else:
-        code = 1
-        error = f"training job {name} {job.status.lower()}: {job.failure_reason or 'no reason given'} (console: {job.console_url})"
+        code, error = 1, failure_message(job)
     if job.model_artifacts and code == 0:
         output_line = f"You can find your model data at: {job.model_artifacts}"
         output.tail.append(output_line)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+import time
 from pathlib import Path
 
 import boto3
@@ -99,7 +100,7 @@ def test_other_stop_errors_are_raised():
         sagemaker_job.stop_job(sm, JOB)
 
 
-def test_watch_follows_status_changes_and_streams_each_instances_log_lines_in_order():
+def test_the_handle_follows_status_changes_and_streams_each_instances_log_lines_in_order():
     sm, sm_stub, logs, logs_stub = clients()
     tokens: dict[str, str | None] = {}
     a1, a2 = f"{JOB}/algo-1-1700000000", f"{JOB}/algo-2-1700000000"
@@ -112,10 +113,12 @@ def test_watch_follows_status_changes_and_streams_each_instances_log_lines_in_or
     expect_logs(logs_stub, {a1: ["saved"], a2: []}, tokens)
     lines: list[tuple[str, str]] = []
     sleeps: list[float] = []
+    job_run = sagemaker_job.SageMakerJobRun(JOB, sm, logs, "us-east-1", output=lambda label, line: lines.append((label, line)),
+                                            poll_seconds=7, sleep=sleeps.append)
     with sm_stub, logs_stub:
-        final, timed_out = sagemaker_job.watch(sm, logs, JOB, lambda label, line: lines.append((label, line)), deadline=None,
-                                               poll_seconds=7, sleep=sleeps.append)
-    assert not timed_out and final["TrainingJobStatus"] == "Completed" and sleeps == [7, 7]
+        final = job_run.wait()
+    assert job_run.finished and final.status == "Completed" and final.billable_seconds == 42 and sleeps == [7, 7]
+    assert job_run.result().model_artifacts == f"s3://bucket/out/{JOB}/output/model.tar.gz"  # no further call: it has ended
     assert lines == [
         ("sagemaker", f"{JOB}: InProgress (Starting)"),
         ("algo-1", "epoch 0"), ("algo-1", "epoch 1"), ("algo-2", "epoch 0"),
@@ -125,6 +128,112 @@ def test_watch_follows_status_changes_and_streams_each_instances_log_lines_in_or
     ]
     sm_stub.assert_no_pending_responses()
     logs_stub.assert_no_pending_responses()
+
+
+def handle(sm, logs, lines: list | None = None, **kwargs) -> sagemaker_job.SageMakerJobRun:
+    output = (lambda label, line: lines.append((label, line))) if lines is not None else None
+    return sagemaker_job.SageMakerJobRun(JOB, sm, logs, "us-east-1", output=output, poll_seconds=0, sleep=lambda s: None, **kwargs)
+
+
+def test_wait_with_a_timeout_returns_the_running_job_and_stop_ends_it():
+    sm, sm_stub, logs, logs_stub = clients()
+    sm_stub.add_response("describe_training_job", description("InProgress", "Training"), {"TrainingJobName": JOB})
+    expect_no_logs(logs_stub)
+    sm_stub.add_response("describe_training_job", description("InProgress", "Training"), {"TrainingJobName": JOB})  # result()
+    sm_stub.add_response("stop_training_job", {}, {"TrainingJobName": JOB})
+    sm_stub.add_response("describe_training_job", description("Stopping", "Stopping"), {"TrainingJobName": JOB})
+    sm_stub.add_response("describe_training_job", description("Stopped", "Stopped"), {"TrainingJobName": JOB})
+    lines: list[tuple[str, str]] = []
+    job_run = handle(sm, logs, lines)
+    with sm_stub, logs_stub:
+        assert job_run.wait(timeout=0).status == "InProgress" and not job_run.finished
+        with pytest.raises(LaunchError, match=f"{JOB} is still InProgress"):
+            job_run.result()
+        stopped = job_run.stop(wait_seconds=30)
+    assert stopped.status == "Stopped" and job_run.finished
+    assert ("sagemaker", f"Stopping training job {JOB}") in lines
+    sm_stub.assert_no_pending_responses()
+    with pytest.raises(LaunchError, match=f"training job {JOB} stopped: no reason given"):
+        job_run.result()
+
+
+def test_the_handle_as_a_context_manager_stops_the_job_on_an_exception_only():
+    sm, sm_stub, logs, logs_stub = clients()
+    sm_stub.add_response("describe_training_job", description("InProgress", "Training"), {"TrainingJobName": JOB})
+    expect_no_logs(logs_stub)
+    sm_stub.add_response("stop_training_job", {}, {"TrainingJobName": JOB})
+    sm_stub.add_response("describe_training_job", description("Stopped", "Stopped"), {"TrainingJobName": JOB})
+    with sm_stub, logs_stub, pytest.raises(KeyboardInterrupt):
+        with handle(sm, logs, []) as job_run:
+            job_run.poll()
+            raise KeyboardInterrupt
+    sm_stub.assert_no_pending_responses()
+    # a clean exit sends nothing: the stubber would fail on an unexpected StopTrainingJob
+    with sm_stub, handle(sm, logs, []):
+        pass
+
+
+def test_a_failed_jobs_result_raises_with_its_failure_reason():
+    sm, sm_stub, logs, _ = clients()
+    reason = "ClientError: Data download failed: s3://pa-data/train does not exist"
+    sm_stub.add_response("describe_training_job", description("Failed", "Failed", FailureReason=reason), {"TrainingJobName": JOB})
+    with sm_stub, pytest.raises(LaunchError, match="Data download failed") as caught:
+        handle(sm, logs).result()
+    assert f"training job {JOB} failed" in str(caught.value) and "console.aws.amazon.com" in str(caught.value)
+
+
+def test_attach_finds_a_job_by_name_with_the_credentials_given(monkeypatch):
+    sm, sm_stub, logs, _ = clients()
+    seen = []
+    monkeypatch.setattr(aws_credentials, "boto_session", lambda source, region: seen.append((source.source, region)) or StubSession(sm, logs))
+    sm_stub.add_response("describe_training_job", description("Completed", "Completed"), {"TrainingJobName": JOB})
+    job_run = sagemaker_job.SageMakerJobRun.attach(JOB, "eu-west-1", aws_credentials.CredentialSource(source="profile", profile="research"))
+    with sm_stub:
+        assert job_run.describe().status == "Completed" and job_run.region == "eu-west-1"
+    assert seen == [("profile", "eu-west-1")]
+
+
+def test_in_a_flow_the_handle_is_prefects_job_run_and_logs_to_the_run_logger(prefect_harness, monkeypatch):
+    """`await wait_for_completion()` / `await fetch_result()` (Prefect's JobRun interface) in a flow; lines reach the run's logs."""
+    import asyncio
+
+    from prefect import flow
+    from prefect.blocks.abstract import JobRun
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogWorker
+
+    sm, sm_stub, logs, logs_stub = clients()
+    tokens: dict[str, str | None] = {}
+    sm_stub.add_response("describe_training_job", description("InProgress", "Training"), {"TrainingJobName": JOB})
+    expect_logs(logs_stub, {f"{JOB}/algo-1-1700000000": ["epoch 0 loss 0.5"]}, tokens)
+    sm_stub.add_response("describe_training_job", description("Completed", "Completed", BillableTimeInSeconds=9), {"TrainingJobName": JOB})
+    expect_logs(logs_stub, {f"{JOB}/algo-1-1700000000": []}, tokens)
+    job_run = handle(sm, logs)
+    assert isinstance(job_run, JobRun)
+
+    @flow
+    async def follow():
+        from prefect.runtime import flow_run
+
+        await job_run.wait_for_completion()
+        return flow_run.id, await job_run.fetch_result()
+
+    with sm_stub, logs_stub:
+        run_id, job = asyncio.run(follow())
+    assert job.status == "Completed" and job.billable_seconds == 9
+    sm_stub.assert_no_pending_responses()
+    APILogWorker.drain_all()
+
+    async def messages() -> list[str]:
+        async with get_client() as client:
+            found = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+            return [entry.message for entry in found]
+
+    deadline = time.monotonic() + 20
+    while "[algo-1] epoch 0 loss 0.5" not in (got := asyncio.run(messages())) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "[algo-1] epoch 0 loss 0.5" in got and f"[sagemaker] {JOB}: Completed (Completed)" in got
 
 
 # ------------------------------------------------------------------------------------------------
