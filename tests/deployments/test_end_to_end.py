@@ -171,3 +171,19 @@ def test_nightly_validation_and_pipeline_deployments_complete_with_their_artifac
     assert [(row["config"], row["ok"]) for row in rows] == [("cpu-2proc.yaml", "yes")], rows
     assert {a.key for a in server.artifacts(training)} >= {pipeline.PIPELINE_ARTIFACT_KEY, "launch-result"}
     assert "rank 1/2: all_reduce sum = 3.0" in server.logs_with([str(training)], "rank 1/2: all_reduce sum = 3.0")
+
+
+def test_cancelling_an_on_demand_training_run_ends_its_processes(cluster, tmp_path):
+    from prefect_accelerate.flows import pipeline
+
+    server = cluster.server
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    request = {"script": NODE_JOB, "config_file": "deployments/configs/cpu-2proc.yaml", "run_install_test": False}
+    run = server.run_deployment(f"{pipeline.launch_training.name}/on-demand", {"request": request},
+                                job_variables={"env": {"NODE_JOB_MODE": "sleep", "NODE_JOB_PID_DIR": str(pids)}})
+    started = wait_for_pids(pids, 2)
+    server.cli("flow-run", "cancel", run)
+    # the worker cancels the deployment's run; its cancellation hook and the launch task end both ranks
+    assert_all_gone(started, timeout=60)
+    assert wait_for_state(server, run, FINAL, timeout=120) == "CANCELLED", server.logs(run)[-20:]
