@@ -29,6 +29,7 @@ from pydantic import BaseModel
 from prefect_accelerate.errors import DependencyError, LaunchError
 from prefect_accelerate.signals import sigterm_as_exception
 from prefect_accelerate.launchers import aws_credentials
+from prefect_accelerate.launchers.environment import is_secret_name
 from prefect_accelerate.launchers.plan import REDACTED, LaunchPlan
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult
 from prefect_accelerate.launchers.sagemaker import SageMakerJobSpec
@@ -281,6 +282,17 @@ def submit(spec: SageMakerJobSpec, session, secret_env: dict[str, str]) -> str:
     return name
 
 
+def redaction_list(secrets) -> list[str]:  # noqa: ANN001 - any iterable of str
+    """The values worth redacting, longest first (so a secret containing another is replaced whole)."""
+    return sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True)
+
+
+def redact(line: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        line = line.replace(secret, REDACTED)
+    return line
+
+
 class _Output:
     """Labelled lines to the callback, the log file and the tail, with secrets redacted."""
 
@@ -288,11 +300,10 @@ class _Output:
         self.on_line = on_line
         self.log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self.secrets = sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
+        self.secrets = redaction_list(secrets)
 
     def __call__(self, label: str, line: str) -> None:
-        for secret in self.secrets:
-            line = line.replace(secret, REDACTED)
+        line = redact(line, self.secrets)
         self.log.write(f"[{label}] {line}\n")
         self.log.flush()
         self.tail.append(line)
@@ -317,11 +328,13 @@ class SageMakerJobRun(JobRun[SageMakerJob]):
 
     Log lines and status changes go to `output(label, line)`: labels are `algo-N` for the instances'
     CloudWatch streams and `sagemaker` for the job itself. Without an `output`, they go to the run logger.
+    Either way the values of the job's secret-named environment variables (HF_TOKEN, ...) and of `secrets`
+    are replaced by *** first: a training script that prints its token does not leak it into Prefect.
     """
 
     def __init__(self, name: str, sm, logs, region: str, *, output: LineCallback | None = None,
                  poll_seconds: float = POLL_SECONDS, stop_wait_seconds: float = STOP_WAIT_SECONDS,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, secrets: list[str] | None = None) -> None:
         self.name = name
         self.region = region
         self.sm = sm
@@ -329,6 +342,7 @@ class SageMakerJobRun(JobRun[SageMakerJob]):
         self.stop_wait_seconds = stop_wait_seconds
         self.sleep = sleep
         self._output = output
+        self._secrets = redaction_list(secrets or [])
         self._follower = LogFollower(logs, name)
         self._seen_status: tuple[str | None, str | None] | None = None
         self.description: dict[str, Any] | None = None
@@ -339,6 +353,7 @@ class SageMakerJobRun(JobRun[SageMakerJob]):
     def submit(cls, spec: SageMakerJobSpec, session, secret_env: dict[str, str], **kwargs: Any) -> SageMakerJobRun:
         """Create the training job (CreateTrainingJob through the SDK) and return its handle."""
         name = submit(spec, session, secret_env)
+        kwargs["secrets"] = [*kwargs.get("secrets", []), *secret_env.values()]
         return cls(name, session.client("sagemaker"), session.client("logs"), spec.region, **kwargs)
 
     @classmethod
@@ -351,6 +366,7 @@ class SageMakerJobRun(JobRun[SageMakerJob]):
     # --- looking at it -------------------------------------------------------------------------
 
     def emit(self, label: str, line: str) -> None:
+        line = redact(line, self._secrets)
         if self._output is not None:
             self._output(label, line)
         else:
@@ -359,6 +375,10 @@ class SageMakerJobRun(JobRun[SageMakerJob]):
     def describe(self) -> SageMakerJob:
         """DescribeTrainingJob now."""
         self.description = self.sm.describe_training_job(TrainingJobName=self.name)
+        environment = self.description.get("Environment") or {}
+        found = [value for key, value in environment.items() if is_secret_name(key) and value not in self._secrets]
+        if found:
+            self._secrets = redaction_list([*self._secrets, *found])
         return SageMakerJob.from_description(self.description, self.region)
 
     @property

@@ -228,3 +228,35 @@ def test_tracked_launch_with_a_credentials_block_keeps_secrets_out_of_prefect(aw
         assert secret not in published
     for secret in (FLAG_SECRET, "block-secret-value"):  # the key flags are SecretStr in the options parameter
         assert secret not in parameters
+
+
+def test_the_job_handle_submits_attaches_by_name_and_fetches_the_result(aws):
+    import anyio
+
+    options = build_launch_options("src/train.py", ["--lr", "1"], config_file="sm.yaml", run_dir=str(Path("run").resolve()))
+    spec = sagemaker_job.SageMakerJobSpec.model_validate(plan_launch(options).request)
+    secret_env = {k: v.get_secret_value() for k, v in aws_credentials.secret_environment(spec.handle).items()}
+    try:
+        session = aws_credentials.boto_session(spec.credentials, spec.region)
+        submitted = sagemaker_job.SageMakerJobRun.submit(spec, session, secret_env, poll_seconds=0.05)
+    finally:
+        aws_credentials.forget(spec.handle)
+    seed_logs(submitted.name, {"algo-1-1700000000": ["epoch 0 loss 1.0", f"token is {HF_SECRET}"]})
+    # another process would only know the name: a second handle, attached by name, follows the same job
+    lines: list[tuple[str, str]] = []
+    # (moto's DescribeTrainingJob has no Environment, from which a real job's HF_TOKEN is redacted: see
+    # test_sagemaker_stop.py; here the value is handed over)
+    attached = sagemaker_job.SageMakerJobRun.attach(submitted.name, "us-east-1", output=lambda label, line: lines.append((label, line)),
+                                                    poll_seconds=0.05, secrets=[HF_SECRET])
+
+    async def follow() -> sagemaker_job.SageMakerJob:
+        await attached.wait_for_completion()
+        return await attached.fetch_result()
+
+    job = anyio.run(follow)
+    assert (job.name, job.status, job.instance_count) == (submitted.name, "Completed", 2)
+    assert job.model_artifacts == f"s3://pa-bucket/out/{submitted.name}/output/model.tar.gz"
+    assert job.image == IMAGE and attached.finished
+    assert lines[:2] == [("algo-1", "epoch 0 loss 1.0"), ("algo-1", "token is ***")]
+    assert lines[2][0] == "sagemaker" and lines[2][1].startswith(f"{submitted.name}: Completed")
+    assert submitted.result().name == submitted.name  # the first handle reads the same finished job

@@ -205,8 +205,10 @@ def test_in_a_flow_the_handle_is_prefects_job_run_and_logs_to_the_run_logger(pre
 
     sm, sm_stub, logs, logs_stub = clients()
     tokens: dict[str, str | None] = {}
-    sm_stub.add_response("describe_training_job", description("InProgress", "Training"), {"TrainingJobName": JOB})
-    expect_logs(logs_stub, {f"{JOB}/algo-1-1700000000": ["epoch 0 loss 0.5"]}, tokens)
+    secret = "hf_never_in_prefect_logs"
+    sm_stub.add_response("describe_training_job", description("InProgress", "Training", Environment={"HF_TOKEN": secret}),
+                         {"TrainingJobName": JOB})
+    expect_logs(logs_stub, {f"{JOB}/algo-1-1700000000": ["epoch 0 loss 0.5", f"logged in with {secret}"]}, tokens)
     sm_stub.add_response("describe_training_job", description("Completed", "Completed", BillableTimeInSeconds=9), {"TrainingJobName": JOB})
     expect_logs(logs_stub, {f"{JOB}/algo-1-1700000000": []}, tokens)
     job_run = handle(sm, logs)
@@ -234,6 +236,8 @@ def test_in_a_flow_the_handle_is_prefects_job_run_and_logs_to_the_run_logger(pre
     while "[algo-1] epoch 0 loss 0.5" not in (got := asyncio.run(messages())) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert "[algo-1] epoch 0 loss 0.5" in got and f"[sagemaker] {JOB}: Completed (Completed)" in got
+    # the job's HF_TOKEN, printed by the script, reaches Prefect's logs only as ***
+    assert "[algo-1] logged in with ***" in got and not any(secret in message for message in got)
 
 
 # ------------------------------------------------------------------------------------------------
