@@ -1,8 +1,9 @@
 """Each self-test check must be able to fail: a collective that does nothing must turn its check red.
 
 The self-test runs on two real CPU processes through `prefect-accelerate launch`; a small wrapper
-replaces one torch.distributed call with a no-op, but only when the named check calls it, so every
-other collective (and the outcome exchange between ranks) still works.
+replaces torch.distributed calls with no-ops, but each only when one named check calls it, so every
+other collective (and the outcome exchange between ranks) still works. Several checks are sabotaged in
+one launch: each must fail on its own while the untouched checks still pass.
 """
 
 from __future__ import annotations
@@ -19,33 +20,47 @@ WRAPPER = textwrap.dedent("""
     import torch.distributed as dist
     from prefect_accelerate.selftest import script
 
-    check, call = sys.argv[1], sys.argv[2]
-    real = getattr(dist, call)
+    sabotage = {}  # torch.distributed call -> the checks in which it does nothing
+    for pair in sys.argv[1:]:
+        check, call = pair.split(":")
+        sabotage.setdefault(call, set()).add("check_" + check)
 
-    def does_nothing_inside_the_check(*args, **kwargs):
-        if sys._getframe(1).f_code.co_name == "check_" + check:
-            return None
-        return real(*args, **kwargs)
+    def does_nothing_inside(call):
+        real = getattr(dist, call)
 
-    setattr(dist, call, does_nothing_inside_the_check)
+        def replacement(*args, **kwargs):
+            if sys._getframe(1).f_code.co_name in sabotage[call]:
+                return None
+            return real(*args, **kwargs)
+
+        return replacement
+
+    for call in sabotage:
+        setattr(dist, call, does_nothing_inside(call))
     sys.exit(script.main())
 """)
 
+SABOTAGED = {
+    "barrier:barrier": "FAIL barrier on rank(s) 0: left the barrier before rank(s) [1] arrived",
+    "rng_sync:broadcast": "FAIL rng-sync on rank(s) 0,1: random draws differ after syncing",
+    "all_reduce:all_reduce": "FAIL all-reduce on rank(s) 0,1: sum",
+    "broadcast:broadcast": "FAIL broadcast on rank(s) 1: got",
+}
+UNTOUCHED = ("process-group", "all-gather", "distributed-sampler", "training-steps")
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("check", "call", "expected"), [
-    ("barrier", "barrier", "FAIL barrier on rank(s) 0: left the barrier before rank(s) [1] arrived"),
-    ("rng_sync", "broadcast", "FAIL rng-sync on rank(s) 0,1: random draws differ after syncing"),
-    ("all_reduce", "all_reduce", "FAIL all-reduce on rank(s) 0,1: sum"),
-    ("broadcast", "broadcast", "FAIL broadcast on rank(s) 1: got"),
-])
-def test_a_collective_that_does_nothing_fails_its_check(tmp_path, check, call, expected):
+def test_a_collective_that_does_nothing_fails_its_check_and_only_its_check(tmp_path):
     wrapper = tmp_path / "sabotaged_selftest.py"
     wrapper.write_text(WRAPPER)
     done = subprocess.run(
         [sys.executable, "-m", "prefect_accelerate.cli.main", "launch", "--no-track", "--cpu", "--num_processes", "2",
-         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(wrapper), check, call],
+         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(wrapper), *SABOTAGED],
         capture_output=True, text=True, timeout=180, env={**os.environ, "HF_HOME": str(tmp_path / "hf")})
-    assert done.returncode != 0, done.stdout[-3000:]
-    assert f"[selftest] {expected}" in done.stdout, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "[selftest] FAILED 1 check(s) failed." in done.stdout
+    report = done.stdout[-4000:] + done.stderr[-2000:]
+    assert done.returncode == 3, report
+    for expected in SABOTAGED.values():
+        assert f"[selftest] {expected}" in done.stdout, report
+    for check in UNTOUCHED:
+        assert f"[selftest] PASS {check}:" in done.stdout, report
+    assert f"[selftest] FAILED {len(SABOTAGED)} check(s) failed." in done.stdout
