@@ -46,9 +46,20 @@ def _run_name(prefix: str):
             return prefix
         config = Path(request.config_file).name if request.config_file else "default-config"
         processes = request.launch_flags.get("num_processes", "")
-        return f"{prefix}-{config}-{Path(request.script).stem}" + (f"-{processes}p" if processes else "")
+        return f"{prefix}-{_launcher_of(request)}{config}-{Path(request.script).stem}" + (f"-{processes}p" if processes else "")
 
     return name
+
+
+def _launcher_of(request: PipelineRequest) -> str:
+    """`<launcher>-` for the run name (torchrun, deepspeed, tpu, sagemaker...); empty when the options do not
+    resolve yet (the config step then names the problem)."""
+    from prefect_accelerate.launchers import choose_launcher
+
+    try:
+        return f"{choose_launcher(launch_options(request))}-"
+    except Exception:  # noqa: BLE001 - a run name must never fail the run
+        return ""
 
 
 class _Runner:

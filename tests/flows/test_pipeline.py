@@ -227,3 +227,20 @@ def test_validate_configs_reports_every_config_and_fails_when_one_does(tmp_path)
     (folder / "bad.yaml").unlink()
     report = validate_configs(request)
     assert report.ok and [Path(c.config_file).name for c in report.configs] == ["good.yaml"]
+
+
+def test_run_names_say_which_launcher_runs(monkeypatch, hf_home):
+    from prefect.runtime import flow_run
+
+    from prefect_accelerate.flows.pipeline import _run_name
+
+    def name_for(request: PipelineRequest) -> str:
+        monkeypatch.setitem(flow_run.FIELDS, "parameters", lambda: {"request": request})
+        return _run_name("launch-training")()
+
+    assert name_for(PipelineRequest(script=EXAMPLE, launch_flags={"cpu": True, "num_processes": 2, **QUIET})) == \
+        "launch-training-torchrun-cpu-default-config-ddp_allreduce-2p"
+    deepspeed = PipelineRequest(script=EXAMPLE, launch_flags={"use_deepspeed": True, "zero_stage": 2, "num_processes": 2, **QUIET})
+    assert name_for(deepspeed) == "launch-training-deepspeed-default-config-ddp_allreduce-2p"
+    # options that do not resolve leave the launcher out instead of failing the run (the config step reports them)
+    assert name_for(PipelineRequest(script=EXAMPLE, config_file="/no/such.yaml")) == "launch-training-such.yaml-ddp_allreduce"
