@@ -2,7 +2,8 @@
 
 The self-test runs on two real CPU processes through `prefect-accelerate launch`; a small wrapper
 replaces torch.distributed calls with no-ops, but each only when one named check calls it, so every
-other collective (and the outcome exchange between ranks) still works. Several checks are sabotaged in
+other collective (and the outcome exchange between ranks) still works; it can also train without
+DistributedDataParallel, or give every rank rank 0's share of the data. Several checks are sabotaged in
 one launch: each must fail on its own while the untouched checks still pass.
 """
 
@@ -20,10 +21,22 @@ WRAPPER = textwrap.dedent("""
     import torch.distributed as dist
     from prefect_accelerate.selftest import script
 
+    import torch.nn.parallel
+    import torch.utils.data
+
+    class EveryRankIsRankZero(torch.utils.data.DistributedSampler):
+        def __init__(self, dataset, **kwargs):
+            super().__init__(dataset, **{**kwargs, "rank": 0})
+
     sabotage = {}  # torch.distributed call -> the checks in which it does nothing
     for pair in sys.argv[1:]:
         check, call = pair.split(":")
-        sabotage.setdefault(call, set()).add("check_" + check)
+        if call == "ddp":  # the model is trained without DistributedDataParallel: no gradient averaging
+            torch.nn.parallel.DistributedDataParallel = lambda module, *args, **kwargs: module
+        elif call == "sampler":  # every rank draws rank 0's share
+            torch.utils.data.DistributedSampler = EveryRankIsRankZero
+        else:
+            sabotage.setdefault(call, set()).add("check_" + check)
 
     def does_nothing_inside(call):
         real = getattr(dist, call)
@@ -45,8 +58,10 @@ SABOTAGED = {
     "rng_sync:broadcast": "FAIL rng-sync on rank(s) 0,1: random draws differ after syncing",
     "all_reduce:all_reduce": "FAIL all-reduce on rank(s) 0,1: sum",
     "broadcast:broadcast": "FAIL broadcast on rank(s) 1: got",
+    "training:ddp": "FAIL training-steps on rank(s) 0,1: weights differ across ranks",
+    "sampler:sampler": "FAIL distributed-sampler on rank(s) 0,1: some samples were never assigned",
 }
-UNTOUCHED = ("process-group", "all-gather", "distributed-sampler", "training-steps")
+UNTOUCHED = ("process-group", "all-gather", "mixed-precision", "accelerator")
 
 
 @pytest.mark.slow
