@@ -500,7 +500,7 @@ def multinode_launch(request: MultinodeRequest) -> MultinodeResult:
         except Exception as error:
             raise LaunchError(
                 f"The per-node deployment {request.node_deployment!r} was not found ({type(error).__name__}). Deploy it from "
-                "the repository root: prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml"
+                "the repository root: prefect --no-prompt deploy --all"
             ) from None
         pool = deployment.work_pool_name
         created = ensure_queues(client, request, pool)

@@ -16,7 +16,6 @@ from helpers.processes import assert_all_gone, wait_for_pids
 from helpers.prefect_server import PrefectServer, free_port, running_server, wait_for_state
 
 REPO = Path(__file__).resolve().parents[2]
-PREFECT_FILE = "deployments/prefect.yaml"
 POOL = "accelerate"
 EXAMPLE = "examples/ddp_allreduce.py"
 NODE_JOB = str(Path(__file__).resolve().parent / "scripts" / "node_job.py")
@@ -37,8 +36,8 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("deployments")
     with running_server(root / "prefect-home") as server:
         server.cli("work-pool", "create", "--type", "process", POOL)
-        # the command deployments/README.md gives
-        server.cli("deploy", "--all", "--prefect-file", PREFECT_FILE, cwd=str(REPO), timeout=240)
+        # the command deployments/README.md gives: the root's prefect.yaml links to deployments/prefect.yaml
+        server.cli("deploy", "--all", cwd=str(REPO), timeout=240)
         # a worker polling a queue that does not exist polls nothing at all, silently, so machine 0's
         # queue comes first (that worker also serves `default`); machine 1's is left to multinode_launch,
         # which creates missing node queues (the worker finds the runs on its next poll)

@@ -24,6 +24,11 @@ def test_every_deployment_is_on_the_process_pool_and_names_an_existing_flow():
         assert function in functions, deployment["entrypoint"]
 
 
+def test_the_repository_roots_prefect_yaml_is_this_file_so_plain_deploy_finds_it():
+    root = REPO / "prefect.yaml"
+    assert root.is_symlink() and root.resolve() == (REPO / "deployments" / "prefect.yaml").resolve()
+
+
 def test_no_pull_section_so_deploy_records_the_checkout_it_runs_in():
     # prefect deploy then stores set_working_directory: <cwd>; no git remote or image is involved
     assert "pull" not in SPEC and SPEC["build"] is None and SPEC["push"] is None
