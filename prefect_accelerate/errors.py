@@ -6,8 +6,9 @@ The CLI prints the message without a traceback and exits with ``exit_code``.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 #: Exit status for usage and configuration errors, as argparse uses.
@@ -60,6 +61,71 @@ class DependencyError(PrefectAccelerateError):
             f"Install it with `pip install 'prefect-accelerate[{extra}]'` (keep your torch pinned with "
             f"`-c` a constraints file so pip does not replace it), then run the command again."
         )
+
+    @classmethod
+    def broken(cls, module: str, error: BaseException, purpose: str) -> DependencyError:
+        """`module` is installed but its import fails (a build for another torch, a half-finished install)."""
+        reason = f"{type(error).__name__}: {error}".strip().rstrip(".")
+        if module == "torchvision":
+            fix = (
+                "That usually means this torchvision was built for another torch than the installed one. Install "
+                "the torchvision release built for your torch (keep torch pinned with `-c` a constraints file), or "
+                "`pip uninstall torchvision` if nothing else needs it"
+            )
+        else:
+            fix = f"Reinstall `{module}` for this Python and this torch (keep torch pinned with `-c` a constraints file)"
+        return cls(f"{purpose} imports `{module}`, which is installed but fails to import ({reason}). {fix}, then run the command again.")
+
+
+@contextlib.contextmanager
+def broken_imports_reported(purpose: str) -> Iterator[None]:
+    """Turn an exception that a failing import caused (inside the block) into a one-paragraph DependencyError."""
+    try:
+        yield
+    except PrefectAccelerateError:
+        raise
+    except Exception as error:
+        found = failed_import(error)
+        if found is None:
+            raise
+        raise DependencyError.broken(found[0], found[1], purpose) from None
+
+
+def failed_import(error: BaseException) -> tuple[str, BaseException] | None:
+    """If `error` (or what caused it) happened while a module was being imported: (its top-level package, the error).
+
+    It is the innermost module whose top-level code was running when the import failed, e.g. `torchvision`
+    for `RuntimeError: operator torchvision::nms does not exist` raised from torch while torchvision's
+    `_meta_registrations` module ran. None for an error that no import caused.
+    """
+    import traceback
+
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        # a module's top-level code (a `<module>` frame) below the frame that caught the error means an import
+        # was running; Python drops importlib's own frames from tracebacks, so they cannot be the sign
+        for frame in reversed(traceback.extract_tb(current.__traceback__)):
+            package = _installed_package(frame.filename) if frame.name == "<module>" else None
+            if package:
+                return package, current
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _installed_package(filename: str) -> str | None:
+    """The top-level package (or module) a source file belongs to, by the sys.path entry that holds it."""
+    import os
+    import sys
+
+    path = os.path.abspath(filename)
+    roots = sorted((os.path.abspath(entry) for entry in sys.path if entry), key=len, reverse=True)
+    for root in roots:
+        if path.startswith(root + os.sep):
+            first = path[len(root) + 1:].split(os.sep, 1)[0]
+            return first.removesuffix(".py") or None
+    return None
 
 
 class LaunchError(PrefectAccelerateError):

@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from prefect_accelerate.errors import DependencyError, EstimateError
+from prefect_accelerate.errors import DependencyError, EstimateError, failed_import
 from prefect_accelerate.memory.models import ModelSource
 
 _HEAD_AUTO_CLASSES = (
@@ -276,6 +276,9 @@ def _construct(source: ModelSource, make: Any, context: Any, class_name: str) ->
             f"({source.location}) or choose another class with `--model_class`."
         ) from None
     except (ImportError, OSError, RuntimeError, TypeError, AttributeError, KeyError) as error:
+        broken = failed_import(error)
+        if broken is not None:  # a library transformers/timm imports on the way is broken: name it, not the class
+            raise DependencyError.broken(broken[0], broken[1], f"Sizing `{source.name}`") from None
         raise EstimateError(
             f"Building `{class_name}` for `{source.name}` without weights failed: {type(error).__name__}: "
             f"{error}. Check the config ({source.location}), install what the message names, or choose another "

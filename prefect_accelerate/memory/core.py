@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prefect_accelerate._version import __version__
+from prefect_accelerate.errors import broken_imports_reported
 from prefect_accelerate.memory.models import EstimateOptions, MemoryEstimate, ModelProfile, ModelSource
 from prefect_accelerate.memory.resolve import resolve_model
 
@@ -21,7 +22,7 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -
 
     Raises:
         EstimateError: the model cannot be found or built (message says which and how to fix it).
-        DependencyError: transformers or timm is needed and missing.
+        DependencyError: transformers or timm is needed and missing, or a library they import fails to import.
         UsageError: the layout cannot run (for example ``--offload optimizer`` with DDP).
 
     Example:
@@ -36,14 +37,17 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -
     options = options or EstimateOptions()
     if options.strategy is not None:
         validate_layout(options)  # before any slow work
-    source = model if isinstance(model, ModelSource) else resolve_model(model, options.library_name)
-
-    with quiet_libraries():
-        table_model = build_table_model(source, options.trust_remote_code)
-        total, largest, names = table_sizes(table_model)
-        table = build_table(source.name, type(table_model).__name__, total, largest, names, options.dtypes)
-        del table_model
-        profile = measure_profile(source, options) if options.strategy is not None else None
+    name = model.name if isinstance(model, ModelSource) else model
+    # a library that is installed but cannot import (a torchvision built for another torch, say) is a
+    # one-paragraph error naming it, not a traceback from deep inside transformers or timm
+    with broken_imports_reported(f"Sizing `{name}`"):
+        source = model if isinstance(model, ModelSource) else resolve_model(model, options.library_name)
+        with quiet_libraries():
+            table_model = build_table_model(source, options.trust_remote_code)
+            total, largest, names = table_sizes(table_model)
+            table = build_table(source.name, type(table_model).__name__, total, largest, names, options.dtypes)
+            del table_model
+            profile = measure_profile(source, options) if options.strategy is not None else None
     breakdown = device_breakdown(profile, options) if profile is not None else None
     return MemoryEstimate(model=source.name, source=source, options=options, table=table, profile=profile,
                           breakdown=breakdown, package_version=__version__)

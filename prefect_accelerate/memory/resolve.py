@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from prefect_accelerate.errors import DependencyError, EstimateError, did_you_mean
+from prefect_accelerate.errors import DependencyError, EstimateError, did_you_mean, failed_import
 from prefect_accelerate.memory.models import ModelSource
 
 CONFIG_NAME = "config.json"
@@ -157,6 +157,10 @@ def _timm_source(name: str, library_name: str | None) -> ModelSource | None:
         if library_name == "timm":
             raise DependencyError.missing("timm", "timm", f"Sizing the timm model `{name}`") from None
         return None
+    except Exception:  # installed but broken: only an error when timm was asked for (the caller reports it)
+        if library_name == "timm":
+            raise
+        return None
     if timm.is_model(name):
         from importlib.metadata import version
 
@@ -172,10 +176,26 @@ def _timm_source(name: str, library_name: str | None) -> ModelSource | None:
     return None
 
 
+def _timm_import_problem() -> str | None:
+    """Why timm names could not be checked, when timm is installed but fails to import; None otherwise."""
+    try:
+        import timm  # noqa: F401
+    except ImportError:
+        return None  # not installed: nothing to check, nothing to report
+    except Exception as error:
+        found = failed_import(error)
+        module, cause = found if found else ("timm", error)
+        return f"timm names could not be checked (timm is installed, but importing `{module}` fails: {type(cause).__name__}: {cause})"
+    return None
+
+
 def _timm_hint(name: str) -> str:
     """For a bare name that is neither a repo nor a timm architecture: the closest timm name, if any."""
     if "/" in name:
         return ""
+    problem = _timm_import_problem()
+    if problem:
+        return f" {problem}."
     try:
         import timm
     except ImportError:
@@ -188,9 +208,10 @@ def _hub_source(name: str, library_name: str | None) -> ModelSource:
     if hub_offline():
         from huggingface_hub import constants
 
+        not_timm = (_timm_import_problem() if "/" not in name else None) or "it is not a timm architecture name"
         raise EstimateError(
             f"`{name}` is not a folder, its config.json is not in the Hugging Face cache ({constants.HF_HUB_CACHE}), "
-            "it is not a timm architecture name, and HF_HUB_OFFLINE=1 stops us asking the Hub. Download the "
+            f"{not_timm}, and HF_HUB_OFFLINE=1 stops us asking the Hub. Download the "
             f"config once with `hf download {name} config.json` while online, point at a local folder, or unset "
             "HF_HUB_OFFLINE."
         )
