@@ -357,6 +357,22 @@ class SageMakerJobRun(JobRun[SageMakerJob]):
         return cls(name, session.client("sagemaker"), session.client("logs"), spec.region, **kwargs)
 
     @classmethod
+    def from_plan(cls, plan: LaunchPlan, **kwargs: Any) -> SageMakerJobRun:
+        """Submit a planned SageMaker launch (`plan_launch(...)` for a SageMaker config) and return its handle.
+
+        The plan's secrets (flag keys, secret job variables) are taken from this process's memory, used for
+        the submission and the handle's redaction, then forgotten; the handle keeps its signed clients.
+        """
+        spec = SageMakerJobSpec.model_validate(plan.request)
+        try:
+            secret_env = job_secret_environment(spec)
+            session = aws_credentials.boto_session(spec.credentials, spec.region)
+            kwargs["secrets"] = [*kwargs.get("secrets", []), *aws_credentials.secret_values(spec.handle)]
+            return cls.submit(spec, session, secret_env, **kwargs)
+        finally:
+            aws_credentials.forget(spec.handle)
+
+    @classmethod
     def attach(cls, name: str, region: str, credentials: aws_credentials.CredentialSource | None = None,
                **kwargs: Any) -> SageMakerJobRun:
         """A handle on a job that already exists (submitted by another process, say), by name."""
@@ -459,6 +475,18 @@ class SageMakerJobRun(JobRun[SageMakerJob]):
                 self.stop()
 
 
+def job_secret_environment(spec: SageMakerJobSpec) -> dict[str, str]:
+    """The job's secret variables, from this process's memory (plans never hold them)."""
+    secret_env = {k: v.get_secret_value() for k, v in aws_credentials.secret_environment(spec.handle).items()}
+    missing = [name for name in spec.secret_environment if name not in secret_env]
+    if missing:
+        raise LaunchError(
+            f"The job's secret variables {', '.join(missing)} are not available in this process: secrets are never stored in "
+            "plans. Plan and launch in the same process, or give them to the job another way (e.g. AWS Secrets Manager)."
+        )
+    return secret_env
+
+
 def failure_message(job: SageMakerJob) -> str:
     return f"training job {job.name} {job.status.lower()}: {job.failure_reason or 'no reason given'} (console: {job.console_url})"
 
@@ -485,13 +513,7 @@ def run_job(
     run_dir.mkdir(parents=True, exist_ok=True)
     launch_id = run_dir.name
     handle = spec.handle
-    secret_env = {k: v.get_secret_value() for k, v in aws_credentials.secret_environment(handle).items()}
-    missing = [name for name in spec.secret_environment if name not in secret_env]
-    if missing:
-        raise LaunchError(
-            f"The job's secret variables {', '.join(missing)} are not available in this process: secrets are never stored in "
-            "plans. Plan and launch in the same process, or give them to the job another way (e.g. AWS Secrets Manager)."
-        )
+    secret_env = job_secret_environment(spec)
     output = _Output(on_line, run_dir / "launch.log", aws_credentials.secret_values(handle))
     started = time.monotonic()
     job_run: SageMakerJobRun | None = None

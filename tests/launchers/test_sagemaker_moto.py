@@ -230,17 +230,16 @@ def test_tracked_launch_with_a_credentials_block_keeps_secrets_out_of_prefect(aw
         assert secret not in parameters
 
 
-def test_the_job_handle_submits_attaches_by_name_and_fetches_the_result(aws):
+def test_the_job_handle_from_a_plan_attaches_by_name_and_fetches_the_result(aws):
     import anyio
 
     options = build_launch_options("src/train.py", ["--lr", "1"], config_file="sm.yaml", run_dir=str(Path("run").resolve()))
-    spec = sagemaker_job.SageMakerJobSpec.model_validate(plan_launch(options).request)
-    secret_env = {k: v.get_secret_value() for k, v in aws_credentials.secret_environment(spec.handle).items()}
-    try:
-        session = aws_credentials.boto_session(spec.credentials, spec.region)
-        submitted = sagemaker_job.SageMakerJobRun.submit(spec, session, secret_env, poll_seconds=0.05)
-    finally:
-        aws_credentials.forget(spec.handle)
+    plan = plan_launch(options)
+    own_lines: list[tuple[str, str]] = []
+    submitted = sagemaker_job.SageMakerJobRun.from_plan(plan, poll_seconds=0.05, output=lambda label, line: own_lines.append((label, line)))
+    assert created_job(aws)["TrainingJobName"] == submitted.name and submitted.name.startswith("my-sweep-")
+    handle = sagemaker_job.SageMakerJobSpec.model_validate(plan.request).handle
+    assert aws_credentials.secret_values(handle) == [] and not aws_credentials.secret_environment(handle)  # forgotten once submitted
     seed_logs(submitted.name, {"algo-1-1700000000": ["epoch 0 loss 1.0", f"token is {HF_SECRET}"]})
     # another process would only know the name: a second handle, attached by name, follows the same job
     lines: list[tuple[str, str]] = []
@@ -259,4 +258,6 @@ def test_the_job_handle_submits_attaches_by_name_and_fetches_the_result(aws):
     assert job.image == IMAGE and attached.finished
     assert lines[:2] == [("algo-1", "epoch 0 loss 1.0"), ("algo-1", "token is ***")]
     assert lines[2][0] == "sagemaker" and lines[2][1].startswith(f"{submitted.name}: Completed")
-    assert submitted.result().name == submitted.name  # the first handle reads the same finished job
+    # the handle made from the plan knew the job's HF_TOKEN (a secret job variable) and redacts it itself
+    assert submitted.wait(timeout=30).status == "Completed" and submitted.result().name == submitted.name
+    assert ("algo-1", "token is ***") in own_lines and HF_SECRET not in repr(own_lines)
