@@ -17,6 +17,27 @@ from prefect_accelerate.launchers.environment import is_secret_name
 REDACTED = "***"
 
 
+class Redactor:
+    """Replaces known secret values in output lines by ***; longest first, so a secret that contains
+    another is replaced whole. Values under 4 characters are left alone (they would blank ordinary text)."""
+
+    def __init__(self, values=()) -> None:  # noqa: ANN001 - any iterable of str
+        self._values: list[str] = []
+        self.add(values)
+
+    def add(self, values) -> None:  # noqa: ANN001 - any iterable of str
+        self._values = sorted({*self._values, *(v for v in values if v and len(v) >= 4)}, key=len, reverse=True)
+
+    def __contains__(self, value: str) -> bool:
+        return value in self._values
+
+    def __call__(self, line: str) -> str:
+        for value in self._values:
+            if value in line:
+                line = line.replace(value, REDACTED)
+        return line
+
+
 class LaunchPlan(BaseModel):
     """One command on one machine (or one remote job request), with the environment it adds."""
 

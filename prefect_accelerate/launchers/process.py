@@ -26,7 +26,7 @@ from pathlib import Path
 
 from prefect_accelerate.errors import LaunchError
 from prefect_accelerate.signals import sigterm_as_exception
-from prefect_accelerate.launchers.plan import REDACTED, LaunchPlan
+from prefect_accelerate.launchers.plan import LaunchPlan, Redactor
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, read_error_file
 from prefect_accelerate.launchers.state import new_run_dir, remove_state, write_state
 
@@ -52,17 +52,6 @@ def split_rank(line: str, default: str, first_rank: int = 0) -> tuple[str, str]:
     if match:
         return f"rank {first_rank + int(match.group('rank'))}", line[match.end():]
     return default, line
-
-
-class _Redactor:
-    def __init__(self, values: list[str]) -> None:
-        self._values = sorted({v for v in values if len(v) >= 4}, key=len, reverse=True)
-
-    def __call__(self, line: str) -> str:
-        for value in self._values:
-            if value in line:
-                line = line.replace(value, REDACTED)
-        return line
 
 
 class _Tracker:
@@ -170,7 +159,7 @@ def run_plan(
         target.write_text(content)
     log_path = run_dir / "launch.log"
     env = {**os.environ, **plan.env}
-    redact = _Redactor([value for name, value in env.items() if plan.is_secret(name)])
+    redact = Redactor([value for name, value in env.items() if plan.is_secret(name)])
     label_default = plan.launcher
     first_rank = plan.machine_rank * (plan.num_processes // max(plan.num_machines, 1))
     tail: deque[str] = deque(maxlen=TAIL_LINES)

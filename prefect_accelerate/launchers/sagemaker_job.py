@@ -30,7 +30,7 @@ from prefect_accelerate.errors import DependencyError, LaunchError
 from prefect_accelerate.signals import sigterm_as_exception
 from prefect_accelerate.launchers import aws_credentials
 from prefect_accelerate.launchers.environment import is_secret_name
-from prefect_accelerate.launchers.plan import REDACTED, LaunchPlan
+from prefect_accelerate.launchers.plan import LaunchPlan, Redactor
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult
 from prefect_accelerate.launchers.sagemaker import SageMakerJobSpec
 from prefect_accelerate.launchers.state import SAGEMAKER_JOBS, new_run_dir, read_records, remove_record, state_dir, write_record
@@ -282,17 +282,6 @@ def submit(spec: SageMakerJobSpec, session, secret_env: dict[str, str]) -> str:
     return name
 
 
-def redaction_list(secrets) -> list[str]:  # noqa: ANN001 - any iterable of str
-    """The values worth redacting, longest first (so a secret containing another is replaced whole)."""
-    return sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True)
-
-
-def redact(line: str, secrets: list[str]) -> str:
-    for secret in secrets:
-        line = line.replace(secret, REDACTED)
-    return line
-
-
 class _Output:
     """Labelled lines to the callback, the log file and the tail, with secrets redacted."""
 
@@ -300,10 +289,10 @@ class _Output:
         self.on_line = on_line
         self.log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
-        self.secrets = redaction_list(secrets)
+        self.redact = Redactor(secrets)
 
     def __call__(self, label: str, line: str) -> None:
-        line = redact(line, self.secrets)
+        line = self.redact(line)
         self.log.write(f"[{label}] {line}\n")
         self.log.flush()
         self.tail.append(line)
@@ -342,7 +331,7 @@ class SageMakerJobRun(JobRun[SageMakerJob]):
         self.stop_wait_seconds = stop_wait_seconds
         self.sleep = sleep
         self._output = output
-        self._secrets = redaction_list(secrets or [])
+        self._redact = Redactor(secrets or [])
         self._follower = LogFollower(logs, name)
         self._seen_status: tuple[str | None, str | None] | None = None
         self.description: dict[str, Any] | None = None
@@ -382,7 +371,7 @@ class SageMakerJobRun(JobRun[SageMakerJob]):
     # --- looking at it -------------------------------------------------------------------------
 
     def emit(self, label: str, line: str) -> None:
-        line = redact(line, self._secrets)
+        line = self._redact(line)
         if self._output is not None:
             self._output(label, line)
         else:
@@ -392,9 +381,7 @@ class SageMakerJobRun(JobRun[SageMakerJob]):
         """DescribeTrainingJob now."""
         self.description = self.sm.describe_training_job(TrainingJobName=self.name)
         environment = self.description.get("Environment") or {}
-        found = [value for key, value in environment.items() if is_secret_name(key) and value not in self._secrets]
-        if found:
-            self._secrets = redaction_list([*self._secrets, *found])
+        self._redact.add(value for key, value in environment.items() if is_secret_name(key) and value not in self._redact)
         return SageMakerJob.from_description(self.description, self.region)
 
     @property
