@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_accelerate.errors import LaunchError, UsageError
-from prefect_accelerate.launchers.gcloud import TpuPod, resolve_pod, ssh_argv
+from prefect_accelerate.launchers.engines.tpu.gcloud import TpuPod, resolve_pod, ssh_argv
 
 ACCELERATE_DEV = "git+https://github.com/huggingface/accelerate.git"
 #: gcloud must never wait for an answer nobody can give (e.g. an SSH key passphrase) under a supervisor

@@ -21,7 +21,7 @@ def end_launch_processes(flow, flow_run, state) -> None:  # noqa: ARG001 - Prefe
     ended = end_recorded_launches(str(flow_run.id))
     stopped: list[str] = []
     try:
-        from prefect_accelerate.launchers.sagemaker_job import stop_recorded_jobs
+        from prefect_accelerate.launchers.engines.sagemaker.job import stop_recorded_jobs
 
         stopped = stop_recorded_jobs(str(flow_run.id))
     except Exception as error:  # a hook must not fail the others; say why the job may still run

@@ -17,9 +17,9 @@ from prefect_accelerate.launchers.plan import LaunchPlan
 
 #: engine -> module that plans it; engines whose module is absent are "not available yet"
 ENGINE_MODULES = {
-    "deepspeed": "prefect_accelerate.launchers.deepspeed",
-    "tpu": "prefect_accelerate.launchers.tpu",
-    "sagemaker": "prefect_accelerate.launchers.sagemaker",
+    "deepspeed": "prefect_accelerate.launchers.engines.deepspeed.plan",
+    "tpu": "prefect_accelerate.launchers.engines.tpu.plan",
+    "sagemaker": "prefect_accelerate.launchers.engines.sagemaker.plan",
 }
 
 
@@ -58,9 +58,9 @@ def plan_launch(options, host: HostProbe | None = None, *, cwd: str | None = Non
         UsageError, ConfigError: the options contradict each other. LaunchError: the plan cannot be made
         (a busy port, a missing MPI, an engine this version does not have).
     """
-    from prefect_accelerate.launchers.simple import plan_simple
+    from prefect_accelerate.launchers.engines.simple import plan_simple
     from prefect_accelerate.launchers.state import new_run_dir
-    from prefect_accelerate.launchers.torchrun import plan_torchrun
+    from prefect_accelerate.launchers.engines.torchrun import plan_torchrun
 
     machine = host or local_host()
     where = cwd or os.getcwd()

@@ -15,7 +15,7 @@ from prefect_accelerate.launchers.result import LaunchResult
 
 #: plan.launcher -> module with a `run` function
 REMOTE_RUNNERS: dict[str, str] = {
-    "sagemaker": "prefect_accelerate.launchers.sagemaker",
+    "sagemaker": "prefect_accelerate.launchers.engines.sagemaker.plan",
 }
 
 

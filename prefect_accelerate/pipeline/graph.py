@@ -89,7 +89,7 @@ def estimate_options(request: PipelineRequest, options):
 
     strategy, offload = "ddp", "none"
     if options.use_deepspeed:
-        from prefect_accelerate.launchers.deepspeed_check import settings_from_options
+        from prefect_accelerate.launchers.engines.deepspeed.check import settings_from_options
 
         settings = settings_from_options(options, cwd=request.cwd)
         stage = int(settings.get("zero_stage") or 0)
@@ -186,7 +186,7 @@ def build_graph(request: PipelineRequest, *, host=None, with_status: bool = True
                                       "model libraries": libraries}
             steps["memory-fit"].inputs = {"memory": "", "device memory": _device_digest(request, fingerprint)}
         if uses_deepspeed:
-            from prefect_accelerate.launchers.deepspeed_check import settings_from_options
+            from prefect_accelerate.launchers.engines.deepspeed.check import settings_from_options
 
             settings = settings_from_options(options, cwd=request.cwd)
             steps["deepspeed-check"].inputs = {

@@ -80,7 +80,7 @@ def memory_fit_step(request: PipelineRequest, estimate):
 
 
 def deepspeed_step(request: PipelineRequest, estimate=None):
-    from prefect_accelerate.launchers.deepspeed_check import check_deepspeed, settings_from_options
+    from prefect_accelerate.launchers.engines.deepspeed.check import check_deepspeed, settings_from_options
 
     options = launch_options(request)
     settings = settings_from_options(options, cwd=request.cwd)

@@ -13,7 +13,7 @@ import pytest
 
 from prefect_accelerate.cli import main as cli_main
 from prefect_accelerate.errors import LaunchError, UsageError
-from prefect_accelerate.launchers import gcloud
+from prefect_accelerate.launchers.engines.tpu import gcloud
 from prefect_accelerate.tpu_config import TpuConfigRequest, resolve_tpu_config, run_tpu_config
 
 FAKES = Path(__file__).resolve().parent.parent / "launchers" / "fakes"

@@ -26,7 +26,7 @@ pytest.importorskip("deepspeed")
 
 from helpers import fakebin  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 SCRIPTS = REPO / "tests" / "launchers" / "scripts"
 NOJIT = str(SCRIPTS / "ds_nojit.py")
 TRAIN = str(REPO / "examples" / "ds_train.py")

@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from prefect_accelerate.launchers.deepspeed import installed_deepspeed_version
+from prefect_accelerate.launchers.engines.deepspeed.plan import installed_deepspeed_version
 
 #: the oldest DeepSpeed the launcher supports (Accelerate's nossh launcher needs --no_ssh from 0.14.5)
 MIN_VERSION = (0, 14, 5)

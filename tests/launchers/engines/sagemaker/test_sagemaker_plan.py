@@ -14,13 +14,13 @@ import pytest
 from helpers.golden import assert_golden
 
 from prefect_accelerate.errors import ConfigError, UsageError
-from prefect_accelerate.launchers import aws_credentials
-from prefect_accelerate.launchers import sagemaker as sm_launcher
+from prefect_accelerate.launchers.engines.sagemaker import credentials as aws_credentials
+from prefect_accelerate.launchers.engines.sagemaker import plan as sm_launcher
 from prefect_accelerate.launchers.host import StaticHost
 from prefect_accelerate.launchers.options import build_launch_options
-from prefect_accelerate.launchers.sagemaker_hparams import script_hyperparameters
+from prefect_accelerate.launchers.engines.sagemaker.hparams import script_hyperparameters
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fakes"))
 from netguard import guarded  # noqa: E402
 
 HOST = StaticHost(python_path="PYTHON")

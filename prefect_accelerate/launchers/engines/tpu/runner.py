@@ -126,6 +126,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # run the imported module's main, so MainFunction pickles as tpu_runner.MainFunction, not __main__'s
-    from prefect_accelerate.launchers.tpu_runner import main as _main
+    from prefect_accelerate.launchers.engines.tpu.runner import main as _main
 
     sys.exit(_main())

@@ -2,7 +2,7 @@
 
     python -m prefect_accelerate.launchers.tpu_pod <run folder>/tpu-pod.json
 
-The JSON file is the plan's (launchers/tpu.py): the exact gcloud commands, in order, and the one that
+The JSON file is the plan's (plan.py): the exact gcloud commands, in order, and the one that
 stops the workers. The launch supervisor (process.py) runs this driver like any launch, so its output
 streams into the run logger and a deadline, Ctrl-C or a Prefect cancellation reach it as SIGTERM/SIGINT.
 Ending the local `gcloud ssh` does not end the processes on the workers, so on any such signal the driver

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefect_accelerate.errors import ConfigError
-from prefect_accelerate.launchers.hostfile import parse_hostfile, read_hostfile, select_resources
+from prefect_accelerate.launchers.engines.deepspeed.hostfile import parse_hostfile, read_hostfile, select_resources
 
 
 def test_hostfile_errors_name_the_line():

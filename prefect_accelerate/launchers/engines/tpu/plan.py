@@ -1,13 +1,13 @@
 """TPU launches (reference §4.3.4): one TPU host, or every worker of a TPU VM pod.
 
 Single host (`--tpu`): a local process, `python -m prefect_accelerate.launchers.tpu_runner`, imports the
-script and runs its main function through torch_xla's launcher (tpu_runner.py). The environment is
+script and runs its main function through torch_xla's launcher (runner.py). The environment is
 Accelerate's: ACCELERATE_DEBUG_MODE with --debug, XLA_USE_BF16 / XLA_DOWNCAST_BF16 for bf16 on a TPU
 (decided by the runner, which can ask torch_xla whether it is on a TPU).
 
 Pod (`--tpu_cluster`, or `tpu_use_cluster` in the config): Accelerate hands the launch to torch_xla's
 `xla_dist`, which newer torch_xla no longer ships. We build the gcloud commands ourselves and run them
-through a small driver (tpu_pod.py) that the plan starts as a local process:
+through a small driver (pod.py) that the plan starts as a local process:
 
 1. optionally `gcloud compute tpus tpu-vm scp --recurse <stage> NAME:~/ --worker all` (the script, and a
    file with the variables that must not travel on a command line);
@@ -34,7 +34,7 @@ from prefect_accelerate.config.model import as_bool
 from prefect_accelerate.errors import DependencyError, UsageError
 from prefect_accelerate.launchers import environment as blocks
 from prefect_accelerate.launchers.environment import SECRET_ENV_NAMES
-from prefect_accelerate.launchers.gcloud import TPU_BLOCK_ENV, TpuPod, resolve_pod, scp_argv, ssh_argv
+from prefect_accelerate.launchers.engines.tpu.gcloud import TPU_BLOCK_ENV, TpuPod, resolve_pod, scp_argv, ssh_argv
 from prefect_accelerate.launchers.host import HostProbe
 from prefect_accelerate.launchers.plan import LaunchPlan
 

@@ -18,11 +18,13 @@ import boto3
 import pytest
 
 from prefect_accelerate.cli import main as cli_main
-from prefect_accelerate.launchers import aws_credentials, plan_launch, sagemaker_job
+from prefect_accelerate.launchers import plan_launch
+from prefect_accelerate.launchers.engines.sagemaker import credentials as aws_credentials
+from prefect_accelerate.launchers.engines.sagemaker import job as sagemaker_job
 from prefect_accelerate.launchers.execute import execute
 from prefect_accelerate.launchers.options import build_launch_options
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fakes"))
 from moto_aws import MotoServer, sdk_environment  # noqa: E402
 from netguard import guarded  # noqa: E402
 

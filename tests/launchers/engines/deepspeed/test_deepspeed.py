@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from prefect_accelerate.errors import ConfigError, DependencyError, LaunchError, UsageError
-from prefect_accelerate.launchers import deepspeed as ds
+from prefect_accelerate.launchers.engines.deepspeed import plan as ds
 from prefect_accelerate.launchers import plan_launch
 from prefect_accelerate.launchers.host import StaticHost
 from prefect_accelerate.launchers.options import build_launch_options

@@ -15,11 +15,12 @@ import pytest
 from botocore.stub import Stubber
 
 from prefect_accelerate.errors import LaunchError
-from prefect_accelerate.launchers import aws_credentials, sagemaker_job
+from prefect_accelerate.launchers.engines.sagemaker import credentials as aws_credentials
+from prefect_accelerate.launchers.engines.sagemaker import job as sagemaker_job
 from prefect_accelerate.launchers.plan import LaunchPlan
-from prefect_accelerate.launchers.sagemaker import SageMakerJobSpec
+from prefect_accelerate.launchers.engines.sagemaker.plan import SageMakerJobSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "fakes"))
 from netguard import guarded  # noqa: E402
 
 JOB = "accelerate-sagemaker-1-abc123-20260101000000"

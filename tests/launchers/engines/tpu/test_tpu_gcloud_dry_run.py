@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from prefect_accelerate.launchers import tpu as tpu_launcher
-from prefect_accelerate.launchers.gcloud import TpuPod
+from prefect_accelerate.launchers.engines.tpu import plan as tpu_launcher
+from prefect_accelerate.launchers.engines.tpu.gcloud import TpuPod
 from prefect_accelerate.launchers.host import StaticHost
 from prefect_accelerate.launchers.options import build_launch_options
 from prefect_accelerate.tpu_config import resolve_tpu_config
 
-FAKES = Path(__file__).resolve().parent / "fakes"
+FAKES = Path(__file__).resolve().parents[2] / "fakes"
 HOST = StaticHost(python_path="PYTHON")
 
 pytestmark = pytest.mark.slow

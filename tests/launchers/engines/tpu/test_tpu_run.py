@@ -17,14 +17,14 @@ import psutil
 import pytest
 
 from prefect_accelerate.launchers import plan_launch
-from prefect_accelerate.launchers import tpu as tpu_launcher
+from prefect_accelerate.launchers.engines.tpu import plan as tpu_launcher
 from prefect_accelerate.launchers.execute import execute
-from prefect_accelerate.launchers.gcloud import TpuPod
+from prefect_accelerate.launchers.engines.tpu.gcloud import TpuPod
 from prefect_accelerate.launchers.host import local_host
 from prefect_accelerate.launchers.options import build_launch_options
-from prefect_accelerate.launchers.tpu_runner import bf16_env
+from prefect_accelerate.launchers.engines.tpu.runner import bf16_env
 
-FAKES = Path(__file__).resolve().parent / "fakes"
+FAKES = Path(__file__).resolve().parents[2] / "fakes"
 TRAIN = FAKES / "tpu_train.py"
 QUIET = dict(num_machines=1, dynamo_backend="no")
 

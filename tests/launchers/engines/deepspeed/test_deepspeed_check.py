@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from prefect_accelerate.launchers import deepspeed_check as check_module
-from prefect_accelerate.launchers.deepspeed_check import DeepSpeedCheck, check_deepspeed, estimate_zero_memory, settings_from_options
+from prefect_accelerate.launchers.engines.deepspeed import check as check_module
+from prefect_accelerate.launchers.engines.deepspeed.check import DeepSpeedCheck, check_deepspeed, estimate_zero_memory, settings_from_options
 from prefect_accelerate.launchers.host import StaticHost
 from prefect_accelerate.launchers.options import build_launch_options
 
 
 def test_the_check_imports_neither_prefect_nor_deepspeed_until_called():
-    code = ("import sys, prefect_accelerate.launchers.deepspeed_check as c; "
+    code = ("import sys, prefect_accelerate.launchers.engines.deepspeed.check as c; "
             "print(sorted(m for m in ('prefect', 'deepspeed', 'torch') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "[]", done.stderr

@@ -30,7 +30,7 @@ from prefect_accelerate.launchers import plan_launch  # noqa: E402
 from prefect_accelerate.launchers.host import StaticHost  # noqa: E402
 from prefect_accelerate.launchers.options import options_from_namespace  # noqa: E402
 
-SAMPLES = Path(__file__).resolve().parent.parent / "fixtures" / "configs"
+SAMPLES = Path(__file__).resolve().parents[3] / "fixtures" / "configs"
 GPU8 = dict(kind="cuda", count=8, cores=32)
 CPU2 = dict(kind=None, count=0, cores=2)
 RUNNER = ["PYTHON", "-m", "deepspeed.launcher.runner"]

@@ -1,11 +1,11 @@
 """DeepSpeed launches: Accelerate's `prepare_deepspeed_cmd_env` (reference §4.3.3) as a pure plan, with fixes.
 
 One machine, and several machines with `deepspeed_multinode_launcher: standard`, run through torchrun
-(launchers/torchrun.py) with the DeepSpeed environment. Other multi-machine launchers run DeepSpeed's
+(engines/torchrun.py) with the DeepSpeed environment. Other multi-machine launchers run DeepSpeed's
 own runner (`python -m deepspeed.launcher.runner`, what the `deepspeed` command runs), which starts the
 job on every host through pdsh, an MPI, Slurm, or, with `nossh`, on this machine only as one node.
 
-Differences from Accelerate 1.16.0 (docs/compatibility.md, pinned by tests/launchers/test_deepspeed_parity.py):
+Differences from Accelerate 1.16.0 (docs/compatibility.md, pinned by tests/launchers/engines/deepspeed/test_deepspeed_parity.py):
 - the NVMe offload paths are exported (Accelerate's DeepSpeed plugin reads them, its launcher never sets them);
 - settings that Accelerate's DeepSpeed plugin refuses next to a DeepSpeed JSON file (mixed_precision,
   zero_stage, ... from the config file) are refused before launch, as are a missing or unreadable JSON file,
@@ -36,10 +36,10 @@ import re
 from prefect_accelerate.errors import ConfigError, DependencyError, LaunchError, UsageError
 from prefect_accelerate.launchers import environment as blocks
 from prefect_accelerate.launchers.host import HostProbe
-from prefect_accelerate.launchers.hostfile import read_hostfile, select_resources
+from prefect_accelerate.launchers.engines.deepspeed.hostfile import read_hostfile, select_resources
 from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.launchers.state import new_run_dir
-from prefect_accelerate.launchers.torchrun import plan_torchrun, resolve_port
+from prefect_accelerate.launchers.engines.torchrun import plan_torchrun, resolve_port
 
 #: Accelerate's `nossh` needs DeepSpeed's --no_ssh, added in this version
 NOSSH_MIN_VERSION = (0, 14, 5)

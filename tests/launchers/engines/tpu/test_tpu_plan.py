@@ -15,13 +15,13 @@ from helpers.golden import assert_golden, normalize_plan
 from prefect_accelerate.cli.main import build_parser
 from prefect_accelerate.errors import DependencyError, UsageError
 from prefect_accelerate.launchers import plan_launch
-from prefect_accelerate.launchers import tpu as tpu_launcher
-from prefect_accelerate.launchers import gcloud
-from prefect_accelerate.launchers.gcloud import TpuPod, scp_argv, ssh_argv
+from prefect_accelerate.launchers.engines.tpu import plan as tpu_launcher
+from prefect_accelerate.launchers.engines.tpu import gcloud
+from prefect_accelerate.launchers.engines.tpu.gcloud import TpuPod, scp_argv, ssh_argv
 from prefect_accelerate.launchers.host import StaticHost
 from prefect_accelerate.launchers.options import build_launch_options, options_from_namespace
 
-FAKES = Path(__file__).resolve().parent / "fakes"
+FAKES = Path(__file__).resolve().parents[2] / "fakes"
 HOST = StaticHost(kind=None, count=0, cores=2, python_path="PYTHON")
 BASE = ["--num_machines", "1", "--dynamo_backend", "no"]
 

@@ -26,8 +26,8 @@ pytest.importorskip("deepspeed")
 
 from helpers import fakebin  # noqa: E402
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "deepspeed"
-CAPTURE = Path(__file__).resolve().parent / "scripts" / "ds_runner_capture.py"
+GOLDEN = Path(__file__).resolve().parents[3] / "golden" / "deepspeed"
+CAPTURE = Path(__file__).resolve().parents[2] / "scripts" / "ds_runner_capture.py"
 HOSTS = {"two": "node1 slots=2\nnode2 slots=2\n", "three": "node1 slots=2\nnode2 slots=2\nnode3 slots=2\n"}
 CASES = {
     "openmpi": (["--deepspeed_multinode_launcher", "openmpi"], "two", "mpirun"),

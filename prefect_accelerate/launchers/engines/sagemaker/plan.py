@@ -28,12 +28,12 @@ from prefect_accelerate.config.enums import (
 )
 from prefect_accelerate.config.model import SageMakerConfig
 from prefect_accelerate.errors import ConfigError, DependencyError, UsageError
-from prefect_accelerate.launchers import aws_credentials
+from prefect_accelerate.launchers.engines.sagemaker import credentials as aws_credentials
 from prefect_accelerate.launchers import environment as blocks
 from prefect_accelerate.launchers.environment import SECRET_ENV_NAMES
 from prefect_accelerate.launchers.host import HostProbe
 from prefect_accelerate.launchers.plan import REDACTED, LaunchPlan
-from prefect_accelerate.launchers.sagemaker_hparams import script_hyperparameters, serialize_hyperparameter
+from prefect_accelerate.launchers.engines.sagemaker.hparams import script_hyperparameters, serialize_hyperparameter
 
 #: SageMaker job names are at most 63 characters; the SDK appends "-YYYYmmddHHMMSS" (15) to the base name
 MAX_BASE_JOB_NAME = 48
@@ -403,6 +403,6 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
 
 def run(plan: LaunchPlan, **kwargs):
     """Submit and follow the job (execute.py's REMOTE_RUNNERS entry); see sagemaker_job.run_job."""
-    from prefect_accelerate.launchers.sagemaker_job import run_job
+    from prefect_accelerate.launchers.engines.sagemaker.job import run_job
 
     return run_job(plan, **kwargs)

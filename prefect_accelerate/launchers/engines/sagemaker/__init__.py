@@ -1,0 +1,1 @@
+"""SageMaker: the plan (a training-job spec), its hyperparameters, AWS credentials, and the job handle."""
