@@ -52,6 +52,7 @@ from prefect_accelerate.config.enums import (
     PrecisionType,
     SageMakerDistributedType,
 )
+from prefect_accelerate.secrets import redact_mapping
 
 # ---------------------------------------------------------------------------------------------------
 # Value types
@@ -599,8 +600,6 @@ class SageMakerConfig(BaseConfig):
     @field_serializer("additional_args", when_used="json")
     def _additional_args_without_secrets(self, value: dict[str, Any] | None) -> dict[str, Any] | None:
         # stored by Prefect as flow parameters and results: job environment secrets must not be
-        from prefect_accelerate.launchers.environment import redact_mapping
-
         return None if value is None else redact_mapping(value)
 
     @field_validator("compute_environment")

@@ -6,7 +6,6 @@ variables it adds, in Accelerate's order. The launch modules compose them.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from prefect_accelerate.config.enums import DynamoBackend, PrecisionType
@@ -44,32 +43,6 @@ _FSDP_OPTIONAL = (
     ("FSDP_BACKWARD_PREFETCH", "fsdp_backward_prefetch"),
     ("FSDP_STATE_DICT_TYPE", "fsdp_state_dict_type"),
 )
-
-#: Env names whose values are secrets: shown as *** in plans, logs and artifacts
-SECRET_ENV_NAMES: frozenset[str] = frozenset(
-    {
-        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
-        "HUGGINGFACE_HUB_TOKEN", "WANDB_API_KEY", "COMET_API_KEY", "NEPTUNE_API_TOKEN", "MLFLOW_TRACKING_PASSWORD",
-    }
-)
-
-
-_SECRET_WORDS = re.compile(r"(SECRET|TOKEN|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|PRIVATE_KEY|CREDENTIAL)", re.IGNORECASE)
-
-
-def is_secret_name(name: str) -> bool:
-    """Whether an environment variable's value must never be shown: known names, or a secret-looking word."""
-    return name in SECRET_ENV_NAMES or bool(_SECRET_WORDS.search(name))
-
-
-def redact_mapping(data: Any) -> Any:
-    """A copy of nested dicts/lists with the values of secret-named keys replaced by ***."""
-    if isinstance(data, dict):
-        return {k: ("***" if isinstance(k, str) and is_secret_name(k) else redact_mapping(v)) for k, v in data.items()}
-    if isinstance(data, list):
-        return [redact_mapping(v) for v in data]
-    return data
-
 
 def _text(value: Any) -> str:
     return str(value)

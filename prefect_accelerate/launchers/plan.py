@@ -12,30 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
-from prefect_accelerate.launchers.environment import is_secret_name
-
-REDACTED = "***"
-
-
-class Redactor:
-    """Replaces known secret values in output lines by ***; longest first, so a secret that contains
-    another is replaced whole. Values under 4 characters are left alone (they would blank ordinary text)."""
-
-    def __init__(self, values=()) -> None:  # noqa: ANN001 - any iterable of str
-        self._values: list[str] = []
-        self.add(values)
-
-    def add(self, values) -> None:  # noqa: ANN001 - any iterable of str
-        self._values = sorted({*self._values, *(v for v in values if v and len(v) >= 4)}, key=len, reverse=True)
-
-    def __contains__(self, value: str) -> bool:
-        return value in self._values
-
-    def __call__(self, line: str) -> str:
-        for value in self._values:
-            if value in line:
-                line = line.replace(value, REDACTED)
-        return line
+from prefect_accelerate.secrets import REDACTED, is_secret_name
 
 
 class LaunchPlan(BaseModel):

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from prefect_accelerate.errors import LaunchError
 from prefect_accelerate.signals import sigterm_as_exception
-from prefect_accelerate.launchers.plan import LaunchPlan, Redactor
+from prefect_accelerate.launchers.plan import LaunchPlan
+from prefect_accelerate.secrets import Redactor
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, read_error_file
 from prefect_accelerate.launchers.state import new_run_dir, remove_state, write_state
 

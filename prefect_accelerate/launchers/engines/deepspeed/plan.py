@@ -40,6 +40,7 @@ from prefect_accelerate.launchers.engines.deepspeed.hostfile import read_hostfil
 from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.launchers.state import new_run_dir
 from prefect_accelerate.launchers.engines.torchrun import plan_torchrun, resolve_port
+from prefect_accelerate.secrets import is_secret_name
 
 #: Accelerate's `nossh` needs DeepSpeed's --no_ssh, added in this version
 NOSSH_MIN_VERSION = (0, 14, 5)
@@ -228,7 +229,7 @@ def env_file_content(env: dict[str, str], cwd: str) -> tuple[str, list[str], lis
     for key, value in entries.items():
         if not key or not value:
             continue  # nothing to carry: unset and empty read the same on the other side
-        if blocks.is_secret_name(key):
+        if is_secret_name(key):
             secret.append(key)
         elif any(char in key + value for char in _FORBIDDEN_IN_ENV_FILE):
             skipped.append(key)

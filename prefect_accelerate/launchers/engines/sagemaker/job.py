@@ -29,8 +29,8 @@ from pydantic import BaseModel
 from prefect_accelerate.errors import DependencyError, LaunchError
 from prefect_accelerate.signals import sigterm_as_exception
 from prefect_accelerate.launchers.engines.sagemaker import credentials as aws_credentials
-from prefect_accelerate.launchers.environment import is_secret_name
-from prefect_accelerate.launchers.plan import LaunchPlan, Redactor
+from prefect_accelerate.secrets import Redactor, is_secret_name
+from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult
 from prefect_accelerate.launchers.engines.sagemaker.plan import SageMakerJobSpec
 from prefect_accelerate.launchers.state import SAGEMAKER_JOBS, new_run_dir, read_records, remove_record, state_dir, write_record

@@ -30,9 +30,9 @@ from prefect_accelerate.config.model import SageMakerConfig
 from prefect_accelerate.errors import ConfigError, DependencyError, UsageError
 from prefect_accelerate.launchers.engines.sagemaker import credentials as aws_credentials
 from prefect_accelerate.launchers import environment as blocks
-from prefect_accelerate.launchers.environment import SECRET_ENV_NAMES
+from prefect_accelerate.secrets import REDACTED, SECRET_ENV_NAMES
 from prefect_accelerate.launchers.host import HostProbe
-from prefect_accelerate.launchers.plan import REDACTED, LaunchPlan
+from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.launchers.engines.sagemaker.hparams import script_hyperparameters, serialize_hyperparameter
 
 #: SageMaker job names are at most 63 characters; the SDK appends "-YYYYmmddHHMMSS" (15) to the base name

@@ -33,7 +33,7 @@ from pathlib import Path
 from prefect_accelerate.config.model import as_bool
 from prefect_accelerate.errors import DependencyError, UsageError
 from prefect_accelerate.launchers import environment as blocks
-from prefect_accelerate.launchers.environment import SECRET_ENV_NAMES
+from prefect_accelerate.secrets import SECRET_ENV_NAMES
 from prefect_accelerate.launchers.engines.tpu.gcloud import TPU_BLOCK_ENV, TpuPod, resolve_pod, scp_argv, ssh_argv
 from prefect_accelerate.launchers.host import HostProbe
 from prefect_accelerate.launchers.plan import LaunchPlan
