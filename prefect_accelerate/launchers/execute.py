@@ -1,22 +1,15 @@
 """Carry out a LaunchPlan: local plans go to the process supervisor, remote engines to their own runner.
 
-An engine module whose launches are not local processes (SageMaker jobs) defines
-`run(plan, *, on_line, timeout, grace, flow_run_id, task_run_id) -> LaunchResult`; it is used for
-plans whose `launcher` is listed in REMOTE_RUNNERS.
+Which is which is the engine table's business (launchers/engines/__init__.py): a plan whose `launcher`
+names a remote engine (SageMaker) goes to that engine's `run`, every other plan to `run_plan`.
 """
 
 from __future__ import annotations
 
-import importlib
-
+from prefect_accelerate.launchers.engines import runner_for
 from prefect_accelerate.launchers.plan import LaunchPlan
-from prefect_accelerate.launchers.process import GRACE_SECONDS, LineCallback, run_plan
+from prefect_accelerate.launchers.process import GRACE_SECONDS, LineCallback
 from prefect_accelerate.launchers.result import LaunchResult
-
-#: plan.launcher -> module with a `run` function
-REMOTE_RUNNERS: dict[str, str] = {
-    "sagemaker": "prefect_accelerate.launchers.engines.sagemaker.plan",
-}
 
 
 def execute(
@@ -29,8 +22,7 @@ def execute(
     task_run_id: str | None = None,
 ) -> LaunchResult:
     """Run `plan` to completion (or deadline) and return its result; interrupts stop it and re-raise."""
-    module = REMOTE_RUNNERS.get(plan.launcher)
-    runner = importlib.import_module(module).run if module else run_plan
+    runner = runner_for(plan)
     result = runner(plan, on_line=on_line, timeout=timeout, grace=grace, flow_run_id=flow_run_id, task_run_id=task_run_id)
     if not result.succeeded and plan.implicit_port and _lost_port_race(result):
         # the default port was free when planned and taken before torchrun bound it: one retry on a free port

@@ -62,7 +62,7 @@ class LaunchFlag:
     choices: tuple[Any, ...] | None = None
     const: Any = None
     metavar: str | None = None
-    #: engine that must be available for the flag to do anything (for "not available yet" errors)
+    #: the engine the flag belongs to: a row of launchers/engines ENGINES
     engine: str | None = None
 
 

@@ -179,14 +179,6 @@ def test_the_default_config_is_announced_and_skipped_under_cpu(hf_home):
     assert any("not read because --cpu" in note for note in under_cpu.notes)
 
 
-def test_engines_not_in_this_version_say_so(monkeypatch):
-    import prefect_accelerate.launchers as launchers
-
-    monkeypatch.setitem(launchers.ENGINE_MODULES, "tpu", "prefect_accelerate.launchers.no_such_engine")
-    with pytest.raises(LaunchError, match="not available yet"):
-        plan_launch(parse("--tpu", "t.py", host=CPU), CPU)
-
-
 def test_aws_keys_are_secrets_in_options():
     options = parse("--aws_access_key_id", "AKIAEXAMPLE", "--aws_secret_access_key", "s3cr3t-value", "--num_processes", "1", "t.py")
     dumped = options.model_dump_json()

@@ -45,7 +45,8 @@ def script_argv(options, host: HostProbe) -> list[str]:
     return [*argv, options.training_script, *options.training_script_args]
 
 
-def plan_simple(options, host: HostProbe, cwd: str, run_dir: str | None) -> LaunchPlan:
+def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPlan:
+    """The script as one process (or under mpirun with --mpirun_hostfile), with Accelerate's environment."""
     if options.no_python and options.module:
         raise UsageError("--module and --no_python cannot be used together.")
     argv: list[str] = []

@@ -128,6 +128,13 @@ def multi_process_env(options, host: HostProbe, *, cpu: bool) -> tuple[dict[str,
     return env, warnings
 
 
+def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPlan:
+    """The torchrun plan for these options: on CPU with gloo when asked (--cpu, use_cpu) or when the host has
+    no accelerator torchrun can use (none, or Apple's MPS), else on the host's devices."""
+    cpu = bool(options.cpu or options.use_cpu) or host.accelerator_kind() in (None, "mps")
+    return plan_torchrun(options, host, cwd, run_dir, cpu=cpu)
+
+
 def plan_torchrun(options, host: HostProbe, cwd: str, run_dir: str | None, *, cpu: bool, extra_env: dict[str, str] | None = None, launcher: str = "torchrun") -> LaunchPlan:
     args, notes = torchrun_arguments(options, host, run_dir)
     env, warnings = multi_process_env(options, host, cpu=cpu) if extra_env is None else ({}, [])
