@@ -4,8 +4,9 @@
 source folder from the script, hyperparameters from the script's arguments (Accelerate's typing rules),
 the job environment, the distribution, instance type and count, the image, input channels and metric
 definitions from the TSV files, and `additional_args` merged on top. Secrets never enter it: AWS keys
-and secret job variables stay in this process's memory (aws_credentials.py). `run` (sagemaker_job.py)
-submits the job with the SageMaker SDK 3 (`ModelTrainer`), follows it and stops it when interrupted.
+and secret job variables stay in this process's memory (credentials.py). The job handle (job.py) reads
+the plan's spec, submits the job with the SageMaker SDK 3 (`ModelTrainer`), follows it and stops it when
+interrupted; this module knows nothing of it.
 
 Deliberate differences from Accelerate (docs/compatibility.md) are marked "Accelerate:" below.
 """
@@ -400,9 +401,3 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
         request=spec.model_dump(mode="json"),
     )
 
-
-def run(plan: LaunchPlan, **kwargs):
-    """Submit and follow the job (execute.py's REMOTE_RUNNERS entry); see sagemaker_job.run_job."""
-    from prefect_accelerate.launchers.engines.sagemaker.job import run_job
-
-    return run_job(plan, **kwargs)
