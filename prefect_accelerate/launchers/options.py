@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, SecretStr, create_model
+from pydantic import BaseModel, ConfigDict, SecretStr, create_model, field_serializer
 
 from prefect_accelerate.config.enums import MULTI_DEVICE_TYPES, DistributedType
 from prefect_accelerate.config.io import LoadedConfig, load_config_path
@@ -79,6 +79,13 @@ class _OptionsBase(BaseModel):
 
     def flag(self, name: str) -> Any:
         return getattr(self, name)
+
+    @field_serializer("training_script_args", when_used="json")
+    def _args_without_secrets(self, args: tuple[str, ...]) -> list[str]:
+        # stored as a flow parameter: a token pasted on the command line (`--tok $HF_TOKEN`) must not be
+        from prefect_accelerate.launchers.plan import redact_argv
+
+        return list(redact_argv(args))
 
     def is_given(self, name: str) -> bool:
         return name in self.given

@@ -7,7 +7,9 @@ launch task logs it, golden tests compare it, and only `process.py` or an engine
 from __future__ import annotations
 
 import json
+import os
 import shlex
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
@@ -36,6 +38,18 @@ class Redactor:
             if value in line:
                 line = line.replace(value, REDACTED)
         return line
+
+
+def known_secret_values(*envs: Mapping[str, str]) -> list[str]:
+    """The values of secret-named variables in these environments and in this process's own: what a user
+    may paste into a command line (`--tok $HF_TOKEN`) and must never see echoed or stored."""
+    return [value for env in (os.environ, *envs) for name, value in env.items() if value and is_secret_name(name)]
+
+
+def redact_argv(argv: Iterable[str], *envs: Mapping[str, str]) -> tuple[str, ...]:
+    """`argv` with every known secret value (see known_secret_values) replaced by ***."""
+    redact = Redactor(known_secret_values(*envs))
+    return tuple(redact(arg) for arg in argv)
 
 
 class LaunchPlan(BaseModel):
@@ -68,17 +82,26 @@ class LaunchPlan(BaseModel):
     def is_secret(self, name: str) -> bool:
         return name in self.secret_env or is_secret_name(name)
 
+    @field_serializer("argv", when_used="json")
+    def _argv_without_secrets(self, argv: tuple[str, ...]) -> list[str]:
+        # `train.py --tok $HF_TOKEN`: stored flow parameters must not hold the token
+        return list(self.shown_argv())
+
     @field_serializer("env", when_used="json")
     def _env_without_secrets(self, env: dict[str, str]) -> dict[str, str]:
         # a plan passed as a flow parameter is stored by Prefect as JSON: secrets must not be
         return {k: (REDACTED if self.is_secret(k) else v) for k, v in env.items()}
+
+    def shown_argv(self) -> tuple[str, ...]:
+        """The command with known secret values (this environment's and the plan's) replaced by ***."""
+        return redact_argv(self.argv, {k: v for k, v in self.env.items() if self.is_secret(k)})
 
     def redacted_env(self) -> dict[str, str]:
         return {k: (REDACTED if self.is_secret(k) else v) for k, v in self.env.items()}
 
     def to_json_dict(self) -> dict[str, Any]:
         """The `--dry-run --json` object: launcher, argv, env (added or changed, secrets redacted), cwd."""
-        data: dict[str, Any] = {"launcher": self.launcher, "argv": list(self.argv), "env": self.redacted_env(), "cwd": self.cwd}
+        data: dict[str, Any] = {"launcher": self.launcher, "argv": list(self.shown_argv()), "env": self.redacted_env(), "cwd": self.cwd}
         if self.files:
             data["files"] = {path: _redact_text(content, self) for path, content in self.files.items()}
         if self.request is not None:
@@ -89,7 +112,8 @@ class LaunchPlan(BaseModel):
         return json.dumps(self.to_json_dict(), indent=2, sort_keys=False)
 
     def command_line(self) -> str:
-        return shlex.join(self.argv)
+        """The command as shown in logs and dry-run output (known secret values as ***); never run this text."""
+        return shlex.join(self.shown_argv())
 
     def describe(self) -> str:
         """Human-readable dry-run text."""
