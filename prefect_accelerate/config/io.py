@@ -437,15 +437,11 @@ def _remove_stale_temp_files(path: Path) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
+    import psutil
+
     if pid == os.getpid():
         return False  # ours can only be stale: this process writes one file at a time
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return psutil.pid_exists(pid)
 
 
 def _current_umask() -> int:
