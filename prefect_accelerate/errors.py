@@ -167,11 +167,9 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
 
 def describe_value(value: Any) -> str:
     """Show a value the way the user wrote it, with its type when that matters."""
-    if isinstance(value, str):
-        return repr(value)
-    if isinstance(value, bool) or value is None:
-        return f"{value!r} ({type(value).__name__})"
     text = repr(value)
-    if len(text) > 80:
+    if len(text) > 80:  # a long value must not drown the message around it
         text = text[:77] + "..."
+    if isinstance(value, str):
+        return text
     return f"{text} ({type(value).__name__})"

@@ -9,7 +9,9 @@ of the package, so it can sit below all of them.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 REDACTED = "***"
@@ -59,3 +61,15 @@ class Redactor:
             if value in line:
                 line = line.replace(value, REDACTED)
         return line
+
+
+def known_secret_values(*envs: Mapping[str, str]) -> list[str]:
+    """The values of secret-named variables in these environments and in this process's own: what a user
+    may paste into a command line (`--tok $HF_TOKEN`) and must never see echoed or stored."""
+    return [value for env in (os.environ, *envs) for name, value in env.items() if value and is_secret_name(name)]
+
+
+def redact_argv(argv: Iterable[str], *envs: Mapping[str, str]) -> tuple[str, ...]:
+    """`argv` with every known secret value (see known_secret_values) replaced by ***."""
+    redact = Redactor(known_secret_values(*envs))
+    return tuple(redact(arg) for arg in argv)

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from prefect_accelerate.cli.tracking import add_tracking_flags, should_track
+from prefect_accelerate.errors import UsageError
 from prefect_accelerate.launchers.flags import LAUNCH_FLAGS, LaunchFlag
 
 DESCRIPTION = (
@@ -63,10 +65,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def plan_from_args(args: argparse.Namespace):
-    from prefect_accelerate.launchers import plan_launch
+    from prefect_accelerate.launchers import check_training_script, plan_launch
     from prefect_accelerate.launchers.options import options_from_namespace
 
     options = options_from_namespace(args)
+    check_training_script(options)
+    if options.run_dir and os.path.exists(options.run_dir) and not os.path.isdir(options.run_dir):
+        raise UsageError(f"--run_dir {options.run_dir} is a file, not a folder. Pass a folder for the launch's logs (it is created if missing).")
     return options, plan_launch(options)
 
 

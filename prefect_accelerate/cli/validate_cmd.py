@@ -36,12 +36,14 @@ def run(args: argparse.Namespace) -> int:
         from prefect_accelerate.errors import PreflightError
         from prefect_accelerate.flows.validate import validate_configs
 
-        try:
-            report = validate_configs(request=request)
-        except PreflightError as error:
-            print(f"error: {error.message}", file=sys.stderr)
+        state = validate_configs(request=request, return_state=True)
+        outcome = state.result(raise_on_failure=False)
+        if isinstance(outcome, PreflightError):  # one paragraph; Prefect printed no traceback before it
+            print(f"error: {outcome.message}", file=sys.stderr)
             return 1
-        results = report.configs
+        if isinstance(outcome, BaseException):
+            raise outcome
+        results = outcome.configs
     else:
         from prefect_accelerate.pipeline.validate import expand_configs, validate_one
 

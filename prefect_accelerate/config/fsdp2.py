@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_accelerate.config.enums import FSDP1_TO_FSDP2_RESHARD, FSDP_SHARDING_STRATEGY
-from prefect_accelerate.config.io import config_text, migrate, parse_config, read_raw, write_text_atomic
+from prefect_accelerate.config.io import check_regular_file, config_text, migrate, parse_config, read_raw, write_text_atomic
 from prefect_accelerate.config.model import FSDPSection
 from prefect_accelerate.errors import ConfigError
 
@@ -80,6 +80,8 @@ def convert_to_fsdp2(
 ) -> Fsdp2Result:
     """Convert `config_file` to FSDP2 and write it to `output_file` (or in place with `overwrite`)."""
     source = Path(config_file).expanduser()
+    if source.exists() or source.is_symlink():
+        check_regular_file(source)
     if not source.is_file():
         raise ConfigError(f"The config file {source} was not found. Pass an existing FSDP1 config with --config_file.")
     if output_file is None and not overwrite:
@@ -97,15 +99,14 @@ def convert_to_fsdp2(
         raise ConfigError(f"The config file {source} has an `fsdp_config` that is not a mapping. Fix the file, then convert it.")
     converted = dict(raw)
     if not fsdp:
-        notes.append(f"{source} has no fsdp_config; nothing to convert.")
-    elif str(fsdp.get("fsdp_version", fsdp.get("version", 1))).strip() == "2":
-        notes.append(
-            "The config already specifies FSDP2, so it was not converted. If it still uses FSDP1 key names, set "
-            "fsdp_version to 1 and run to-fsdp2 again."
-        )
-    else:
-        converted["fsdp_config"], dropped = convert_fsdp_section(fsdp)
-        notes.extend(dropped)
+        return Fsdp2Result(output=target, notes=[f"{source} has no fsdp_config, so there is nothing to convert; nothing was written."], converted=False)
+    if str(fsdp.get("fsdp_version", fsdp.get("version", 1))).strip() == "2":
+        return Fsdp2Result(output=target, converted=False, notes=[
+            "The config already specifies FSDP2, so it was not converted and nothing was written. If it still uses "
+            "FSDP1 key names, set fsdp_version to 1 and run to-fsdp2 again."
+        ])
+    converted["fsdp_config"], dropped = convert_fsdp_section(fsdp)
+    notes.extend(dropped)
     data, _ = migrate(converted, source)
     parse_config(data, source)  # refuse to write something that does not load
     text = config_text(converted, target)

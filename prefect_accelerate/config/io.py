@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -55,11 +56,67 @@ def is_json_path(path: str | os.PathLike[str]) -> bool:
 # Reading
 
 
+#: the largest config file read: a config is a few kilobytes; anything near this is not one (and parsing
+#: megabytes of YAML takes minutes)
+MAX_CONFIG_BYTES = 1024 * 1024
+#: at most this many items are listed in one error paragraph
+MAX_LISTED = 10
+
+
+def _kind_of_path(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular_file(path: Path, what: str = "config file") -> os.stat_result:
+    """The stat of `path` if it is a regular file of a sane size; else a ConfigError naming what it is.
+
+    Only regular files are opened: a FIFO would block the read forever and a link to /dev/zero would
+    fill memory.
+    """
+    try:
+        info = path.stat()  # follows links: a link to a regular file is fine
+    except FileNotFoundError:
+        hint = " (it is a link whose target is missing)" if path.is_symlink() else ""
+        raise ConfigError(
+            f"The {what} {path} does not exist{hint}. Check the path given to --config_file, or create one "
+            f"with `prefect-accelerate config` (questions) or `prefect-accelerate config default`."
+        ) from None
+    except OSError as error:
+        raise ConfigError(f"The {what} {path} could not be read ({error.strerror}). Check the path and its permissions.") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"The config path {path} is a folder, not a file. Pass the path of the YAML or JSON config file itself.")
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(
+            f"The {what} {path} is {_kind_of_path(info.st_mode)}, not a regular file, so it is not read. Pass the path "
+            f"of the YAML or JSON config file itself."
+        )
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"The {what} {path} is {info.st_size:,} bytes; a config is a few kilobytes, and files over "
+            f"{MAX_CONFIG_BYTES:,} bytes are not read. Check that the path names the config and not another file."
+        )
+    return info
+
+
+def listed(items: list[str], limit: int = MAX_LISTED) -> str:
+    """`a`, `b`, ... and N more: a list short enough for one readable paragraph."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit:,} more" if len(items) > limit else "")
+
+
 def read_raw(path: Path) -> dict[str, Any]:
     """The file's top-level mapping, parsed by extension. Raises ConfigError for anything unreadable."""
     kind = "JSON" if is_json_path(path) else "YAML"
+    check_regular_file(path)
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(
             f"The config file {path} does not exist. Check the path given to --config_file, or create one "
@@ -69,6 +126,8 @@ def read_raw(path: Path) -> dict[str, Any]:
         raise ConfigError(f"The config path {path} is a folder, not a file. Pass the path of the YAML or JSON config file itself.") from None
     except OSError as error:
         raise ConfigError(f"The config file {path} could not be read ({error.strerror}). Check its permissions and try again.") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"The config file {path} grew past {MAX_CONFIG_BYTES:,} bytes while it was read; a config is a few kilobytes. Check the path.")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -109,7 +168,7 @@ def read_raw(path: Path) -> dict[str, Any]:
     bad_keys = [k for k in raw if not isinstance(k, str)]
     if bad_keys:
         raise ConfigError(
-            f"The config file {path} has a key that is not text: {bad_keys[0]!r}. Keys are field names such as "
+            f"The config file {path} has a key that is not text: {describe_value(bad_keys[0])}. Keys are field names such as "
             f"`distributed_type`; quote or rename it."
         )
     return raw
@@ -208,9 +267,10 @@ def _validation_message(error: ValidationError, raw: dict[str, Any], path: Path)
         else:
             problems.append(f"`{name}`: {message}")
     count = len(problems)
-    head = f"The config file {path} has {'a problem' if count == 1 else f'{count} problems'}: "
+    head = f"The config file {path} has {'a problem' if count == 1 else f'{count:,} problems'}: "
+    shown = "; ".join(problems[:MAX_LISTED]) + (f"; and {count - MAX_LISTED:,} more" if count > MAX_LISTED else "")
     return (
-        head + "; ".join(problems) + ". Edit the file to fix "
+        head + shown + ". Edit the file to fix "
         + ("it" if count == 1 else "them")
         + " (or re-create it with `prefect-accelerate config`), then run the command again."
     )
@@ -230,18 +290,22 @@ def parse_config(data: dict[str, Any], path: Path) -> AnyConfig:
                 f"(the original is kept as {path}.bak), or delete the key by hand."
             )
         hints = " ".join(
-            f"For `{k}`:{did_you_mean(k, cls.model_fields)}" for k in unknown if did_you_mean(k, cls.model_fields)
+            f"For `{_short(k)}`:{did_you_mean(k, cls.model_fields)}" for k in unknown[:MAX_LISTED] if did_you_mean(k, cls.model_fields)
         )
         kind = "a SageMaker" if cls is SageMakerConfig else "a cluster"
         raise ConfigError(
             f"The config file {path} has unknown key{'s' if len(unknown) > 1 else ''} "
-            f"{', '.join(f'`{k}`' for k in sorted(unknown))} for {kind} config. {hints + ' ' if hints else ''}"
+            f"{listed([f'`{_short(k)}`' for k in sorted(unknown)])} for {kind} config. {hints + ' ' if hints else ''}"
             f"Remove or rename {'them' if len(unknown) > 1 else 'it'}; the known keys are: {', '.join(sorted(cls.model_fields))}."
         )
     try:
         return cls.model_validate(data)
     except ValidationError as error:
         raise ConfigError(_validation_message(error, data, path)) from None
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class LoadedConfig(BaseModel):
@@ -308,35 +372,97 @@ def write_text_atomic(path: Path, text: str, *, backup: bool = True) -> Path | N
     """Replace `path` with `text` so that a crash leaves the old or the new content, never a mix.
 
     When the file exists and its content changes, the old content is first written (atomically too)
-    to `<path>.bak`. Returns the backup path, or None when none was made.
+    to `<path>.bak`. A link is written through: its target gets the new content (and the `.bak` beside
+    it), the link stays a link. An existing file keeps its mode; a new one follows the umask. Temp files
+    that a killed writer left beside the file are removed. Returns the backup path, or None.
+
+    Raises:
+        ConfigError: the folder cannot be created or written, or the path is not a regular file.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(os.path.realpath(Path(path)))  # write through links to the real file
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(_unwritable(path, error)) from None
+    if path.exists():
+        check_regular_file(path, "file to write")
+    _remove_stale_temp_files(path)
     backup_path: Path | None = None
-    if backup and path.exists():
-        old = path.read_bytes()
-        if old == text.encode("utf-8"):
-            return None
-        backup_path = path.with_name(path.name + ".bak")
-        _replace_with(backup_path, old)
-    _replace_with(path, text.encode("utf-8"))
+    try:
+        if backup and path.exists():
+            old = path.read_bytes()
+            if old == text.encode("utf-8"):
+                return None
+            backup_path = path.with_name(path.name + ".bak")
+            _remove_stale_temp_files(backup_path)
+            _replace_with(backup_path, old, mode=path.stat().st_mode & 0o777)
+        _replace_with(path, text.encode("utf-8"))
+    except OSError as error:
+        raise ConfigError(_unwritable(path, error)) from None
     return backup_path
 
 
-def _replace_with(path: Path, data: bytes) -> None:
-    mode = None
+def _unwritable(path: Path, error: OSError) -> str:
+    where = Path(error.filename) if error.filename else path.parent
+    blocker = next((p for p in [where, *where.parents] if p.exists() and not p.is_dir()), None)
+    why = f"{blocker} is a file, not a folder" if blocker is not None and blocker != path else (error.strerror or str(error))
+    return (
+        f"Could not write {path}: {why}. Choose a path in a folder you can write to (check the path and "
+        f"its permissions), then run the command again."
+    )
+
+
+_TEMP_SUFFIX = ".tmp"
+
+
+def _temp_prefix(path: Path) -> str:
+    return f".{path.name}."
+
+
+def _remove_stale_temp_files(path: Path) -> None:
+    """Delete `.NAME.<pid>.*.tmp` files whose writer (by pid) is no longer running: a kill mid-write leaves them."""
+    prefix = _temp_prefix(path)
     try:
-        mode = path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        pass
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        names = [n for n in os.listdir(path.parent) if n.startswith(prefix) and n.endswith(_TEMP_SUFFIX)]
+    except OSError:
+        return
+    for name in names:
+        pid_text = name[len(prefix):].split(".", 1)[0]
+        if pid_text.isdigit() and _pid_alive(int(pid_text)):
+            continue  # another writer is busy with it
+        try:
+            os.unlink(path.parent / name)
+        except OSError:
+            pass
+
+
+def _pid_alive(pid: int) -> bool:
+    import psutil
+
+    if pid == os.getpid():
+        return False  # ours can only be stale: this process writes one file at a time
+    return psutil.pid_exists(pid)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def _replace_with(path: Path, data: bytes, *, mode: int | None = None) -> None:
+    if mode is None:
+        try:
+            mode = path.stat().st_mode & 0o777
+        except FileNotFoundError:
+            mode = 0o666 & ~_current_umask()  # a new file: what open() would have made
+    fd, tmp_name = tempfile.mkstemp(prefix=f"{_temp_prefix(path)}{os.getpid()}.", suffix=_TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        if mode is not None:
-            os.chmod(tmp_name, mode)
+        os.chmod(tmp_name, mode)
         os.replace(tmp_name, path)
     except BaseException:
         try:

@@ -154,6 +154,9 @@ def _enum_value(enum_cls):
 
 Precision = Annotated[PrecisionType, _enum_value(PrecisionType)]
 
+#: the most processes a config may ask for (all machines together); launchers/options.py holds flags to it too
+MAX_PROCESSES = 1 << 20
+
 _GPU_IDS = re.compile(r"^\s*(all|\d+(\s*,\s*\d+)*)\s*,?\s*$", re.IGNORECASE)
 
 
@@ -516,7 +519,8 @@ class ClusterConfig(BaseConfig):
     """A config for this machine or a cluster of machines (compute_environment LOCAL_MACHINE)."""
 
     distributed_type: Annotated[DistributedType, _enum_value(DistributedType)]
-    num_processes: Annotated[int, BeforeValidator(_whole_number), Field(ge=-1)] = -1
+    #: the upper bound keeps a typo (99999999999) from starting a launcher that grows until memory runs out
+    num_processes: Annotated[int, BeforeValidator(_whole_number), Field(ge=-1, le=MAX_PROCESSES)] = -1
     machine_rank: NonNegativeInt = 0
     num_machines: PositiveInt = 1
     gpu_ids: Annotated[str, BeforeValidator(_gpu_ids)] | None = None

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from prefect_accelerate.config.io import config_text, migrate, parse_config, read_raw, write_text_atomic
+from prefect_accelerate.config.io import check_regular_file, config_text, migrate, parse_config, read_raw, write_text_atomic
 from prefect_accelerate.config.model import AnyConfig
 from prefect_accelerate.config.paths import ConfigLocation, find_default_config, searched_locations
 from prefect_accelerate.errors import ConfigError
@@ -75,6 +75,8 @@ def resolve_existing(config_file: str | os.PathLike[str] | None) -> ConfigLocati
     """The file a command works on: the one passed (it must exist), else the default one."""
     if config_file is not None:
         path = Path(config_file).expanduser()
+        if path.exists() or path.is_symlink():
+            check_regular_file(path)  # a FIFO, a device or a folder: say what it is
         if not path.is_file():
             raise ConfigError(
                 f"The config file {path} does not exist. Check the --config_file path; to create a config there, "

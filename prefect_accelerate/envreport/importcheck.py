@@ -6,6 +6,11 @@ torchvision take seconds), noisy (deepspeed logs on import) and can fail in ways
 on a CPU torch with a CUDA torchvision wheel, `import timm` raises RuntimeError. So the imports run in
 one child Python process, started before the rest of the probe so the two overlap; a failure, a crash
 or a hang there becomes a line in the report, never an error in ours.
+
+"Importable" means what the commands import, not just the top-level package: `import transformers`
+succeeds where `from transformers import LlamaConfig` (what estimate-memory does through AutoConfig)
+fails on a torchvision built for another torch. Each engine lists the imports our commands run, and a
+failure names the statement and the package that broke it.
 """
 
 from __future__ import annotations
@@ -29,15 +34,22 @@ class EngineSpec:
     module: str
     distribution: str
     extra: str
+    #: the import statements our commands run (after `import <module>`): the check tries each
+    statements: tuple[str, ...] = ()
 
 
 #: The engines `env` reports, in the order it reports them.
 OPTIONAL_ENGINES: tuple[EngineSpec, ...] = (
-    EngineSpec("deepspeed", "deepspeed", "deepspeed"),
-    EngineSpec("torch_xla", "torch_xla", "tpu"),
-    EngineSpec("sagemaker", "sagemaker", "sagemaker"),
-    EngineSpec("transformers", "transformers", "transformers"),
-    EngineSpec("timm", "timm", "timm"),
+    EngineSpec("deepspeed", "deepspeed", "deepspeed", ("from deepspeed.accelerator import get_accelerator",)),
+    EngineSpec("torch_xla", "torch_xla", "tpu", ("import torch_xla.core.xla_model",)),
+    EngineSpec("sagemaker", "sagemaker", "sagemaker", ("from sagemaker.train import ModelTrainer",)),
+    EngineSpec("transformers", "transformers", "transformers", (
+        # estimate-memory: AutoConfig reads config.json, then the model class is built on the meta device
+        "from transformers import AutoConfig, AutoModel",
+        "from transformers import LlamaConfig, LlamaForCausalLM",
+        "from transformers.modeling_layers import GradientCheckpointingLayer",
+    )),
+    EngineSpec("timm", "timm", "timm", ("from timm import create_model",)),
 )
 
 
@@ -56,17 +68,35 @@ class EngineProbe:
 # for a result; results go, one JSON line each and flushed, to the saved stdout. A crash therefore
 # leaves the results so far, and the first missing one names the import that killed the process.
 _CHILD = r"""
-import importlib, json, os, sys
+import json, os, sys
 out = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
-for name in sys.argv[1:]:
+
+def culprit(error):
     try:
-        importlib.import_module(name)
-        result = {"module": name, "ok": True, "error": None}
-    except BaseException as error:
-        text = (str(error).strip().splitlines() or [""])[0]
-        result = {"module": name, "ok": False, "error": (type(error).__name__ + (": " + text if text else ""))[:300]}
+        from prefect_accelerate.errors import failed_import
+        found = failed_import(error)
+    except BaseException:
+        found = None
+    return found or (None, error)
+
+for item in sys.argv[1:]:
+    name, *statements = json.loads(item)
+    result = {"module": name, "ok": True, "error": None}
+    for statement in ["import " + name, *statements]:
+        try:
+            exec(statement, {})
+        except BaseException as error:
+            package, cause = culprit(error)
+            text = (str(cause).strip().splitlines() or [""])[0]
+            why = type(cause).__name__ + (": " + text if text else "")
+            if statement != "import " + name:
+                why = "`" + statement + "` fails: " + why
+            if package and package != name:
+                why += " (raised while importing " + package + ")"
+            result = {"module": name, "ok": False, "error": why[:400]}
+            break
     out.write(json.dumps(result) + "\n")
     out.flush()
 """
@@ -100,7 +130,7 @@ class ImportCheck:
         self.engines = tuple(engines)
         self.timeout = timeout
         self._installed = {spec.module: _installed(spec) for spec in self.engines}
-        to_import = [spec.module for spec in self.engines if self._installed[spec.module][0]]
+        to_import = [json.dumps([spec.module, *spec.statements]) for spec in self.engines if self._installed[spec.module][0]]
         self._process: subprocess.Popen[str] | None = None
         self._start_error: str | None = None
         self._checked = check_imports

@@ -1,8 +1,10 @@
 """`validate_configs`: preflight over many config files with bounded concurrency (the nightly validation).
 
 The machine is probed once; each config's checks run as one task, cached on the keys of its steps,
-so an unchanged config is not re-tested. One summary table artifact covers the whole matrix, and the
-flow fails when any config fails.
+so an unchanged config is not re-tested. A config whose checks fail is a Failed task run (red in the UI,
+never cached). One summary table artifact covers the whole matrix, and the flow run ends Failed when any
+config fails, by returning a Failed state (whose exception is a PreflightError for Python callers), so
+no Prefect traceback precedes the one-paragraph error.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.futures import wait
+from prefect.states import Failed
 
 from prefect_accelerate.errors import PreflightError
 from prefect_accelerate.flows.launch import end_launch_processes
@@ -33,10 +36,13 @@ def _name() -> str:
 
 
 @task(name="validate-config", task_run_name=_name, cache_key_fn=_key, persist_result=True, cache_expiration=None)
-def validate_config(config_file: str, validation: ValidationRequest, key: str) -> ConfigValidation:
+def validate_config(config_file: str, validation: ValidationRequest, key: str):
     result = validate_one(config_file, validation)
     logger = get_run_logger()
     (logger.info if result.ok else logger.error)("%s: %s", config_file, result.message)
+    if not result.ok:
+        # a failed check is a Failed task run (and so never cached); the flow reads the result from its data
+        return Failed(message=f"{Path(config_file).name}: {result.message}", data=result)
     return result
 
 
@@ -56,7 +62,7 @@ def _validation_run_name() -> str:
 
 
 @flow(name="validate-configs", flow_run_name=_validation_run_name, on_cancellation=[end_launch_processes], on_crashed=[end_launch_processes])
-def validate_configs(request: ValidationRequest) -> ValidationReport:
+def validate_configs(request: ValidationRequest):
     """Preflight every config in `request.configs`; raises PreflightError when any fails (after the artifact)."""
     configs = expand_configs(request.configs)
     probe_machine()
@@ -74,13 +80,18 @@ def validate_configs(request: ValidationRequest) -> ValidationReport:
             state = future.state
             if state.is_completed():
                 results.append(future.result())
+                continue
+            value = state.result(raise_on_failure=False)
+            if isinstance(value, ConfigValidation):
+                results.append(value)
             else:
-                error = state.result(raise_on_failure=False)
-                results.append(ConfigValidation(config_file=path, ok=False, failed_step="task", message=str(error)))
+                results.append(ConfigValidation(config_file=path, ok=False, failed_step="task", message=str(value)))
     report = ValidationReport(ok=all(r.ok for r in results), configs=results)
     rows = [{"config": Path(r.config_file).name, "ok": "yes" if r.ok else "NO", "failed step": r.failed_step or "", "message": r.message[:300]} for r in results]
     create_table_artifact(key=VALIDATION_ARTIFACT_KEY, table=rows, description=f"{sum(r.ok for r in results)}/{len(results)} configs passed")
     if not report.ok:
         bad = [f"{Path(r.config_file).name} ({r.failed_step}: {r.message})" for r in results if not r.ok]
-        raise PreflightError(f"{len(bad)} of {len(results)} config(s) failed validation: " + "; ".join(bad))
+        message = f"{len(bad)} of {len(results)} config(s) failed validation: " + "; ".join(bad)
+        get_run_logger().error(message)
+        return Failed(message=message, data=PreflightError(message))
     return report

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+from prefect_accelerate.errors import USAGE_EXIT_CODE, LaunchError, UsageError
 from prefect_accelerate.launchers.engines import ENGINES, engine_for_route
 from prefect_accelerate.launchers.host import HostProbe, local_host
 from prefect_accelerate.launchers.plan import LaunchPlan
@@ -39,8 +40,42 @@ def plan_launch(options, host: HostProbe | None = None, *, cwd: str | None = Non
 
     Raises:
         UsageError, ConfigError: the options contradict each other. LaunchError: the plan cannot be made
-        (a busy port, a missing MPI, a missing engine dependency).
+        (a busy port, a missing MPI, a missing engine dependency). All exit 2: nothing started
+        (docs/compatibility.md, "Exit codes").
     """
+    try:
+        return _plan_launch(options, host, cwd=cwd)
+    except LaunchError as error:
+        if error.exit_code == USAGE_EXIT_CODE:
+            raise
+        raise type(error)(error.message, exit_code=USAGE_EXIT_CODE) from None
+
+
+def check_training_script(options, cwd: str | None = None) -> None:
+    """Refuse a training script that is not there, before anything starts (also for --dry-run).
+
+    Not for `--module` (a module name) or a TPU pod (the script lives on the pod's machines).
+    """
+    import shutil
+
+    script = str(options.training_script)
+    if options.module or getattr(options, "tpu_use_cluster", False):
+        return
+    path = os.path.join(cwd or os.getcwd(), os.path.expanduser(script))
+    if options.no_python:
+        if os.path.isfile(path) or (os.sep not in script and shutil.which(script)):
+            return
+        raise UsageError(f"The executable {script!r} (--no_python) was not found as a file or on PATH. Check the name, or drop --no_python to run a Python script.")
+    if os.path.isdir(path):
+        raise UsageError(f"The training script {script!r} is a folder. Pass the script file, or -m/--module to run a module.")
+    if not os.path.isfile(path):
+        raise UsageError(
+            f"The training script {script!r} was not found (looked for {os.path.abspath(path)}). Check the path, "
+            f"or pass -m/--module to run a module by name."
+        )
+
+
+def _plan_launch(options, host: HostProbe | None = None, *, cwd: str | None = None) -> LaunchPlan:
     from prefect_accelerate.launchers.state import new_run_dir
 
     machine = host or local_host()
@@ -50,4 +85,4 @@ def plan_launch(options, host: HostProbe | None = None, *, cwd: str | None = Non
     return engine.planner()(options, machine, cwd=where, run_dir=run_dir)
 
 
-__all__ = ["ENGINES", "LaunchPlan", "choose_launcher", "plan_launch"]
+__all__ = ["ENGINES", "LaunchPlan", "check_training_script", "choose_launcher", "plan_launch"]

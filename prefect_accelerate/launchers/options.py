@@ -16,15 +16,16 @@ The result is frozen: planning never changes the options it was given.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, SecretStr, create_model
+from pydantic import BaseModel, ConfigDict, SecretStr, create_model, field_serializer
 
 from prefect_accelerate.config.enums import MULTI_DEVICE_TYPES, DistributedType
 from prefect_accelerate.config.io import LoadedConfig, load_config_path
-from prefect_accelerate.config.model import SECTION_MODELS, ClusterConfig, SageMakerConfig, as_bool
+from prefect_accelerate.config.model import MAX_PROCESSES, SECTION_MODELS, ClusterConfig, SageMakerConfig, as_bool
 from prefect_accelerate.config.paths import find_default_config
 from prefect_accelerate.errors import ConfigError, UsageError
 
@@ -33,10 +34,16 @@ PREFECT_KILL_SECONDS = 30
 from prefect_accelerate.launchers.flags import HONOURED_CONFIG_SCALARS, LAUNCH_DEFAULTS, SECRET_DESTS
 from prefect_accelerate.launchers.host import HostProbe, local_host
 
-DEFAULTS_WARNING_HEAD = "The following values were not passed to `accelerate launch` and had defaults used instead:"
+DEFAULTS_WARNING_HEAD = "The following values were not passed to `prefect-accelerate launch` and had defaults used instead:"
 DEFAULTS_WARNING_TAIL = (
-    "To avoid this warning pass in values for each of the problematic parameters or run `accelerate config`."
+    "To avoid this warning pass in values for each of the problematic parameters, or write a config file with "
+    "`prefect-accelerate config`."
 )
+
+#: the most processes one launch may start in all, and on one machine: far above any real machine, and low
+#: enough that a typo (99999999999) is an error instead of a launcher that grows until memory runs out
+MAX_PROCESSES_PER_MACHINE = 1024
+MAX_MACHINES = 1 << 16
 
 #: config scalars Accelerate copies but that are not flags
 _CONFIG_ONLY_SCALARS = ("use_cpu", "tpu_name", "tpu_zone", "command_file", "commands", "tpu_vm", "tpu_env")
@@ -72,6 +79,13 @@ class _OptionsBase(BaseModel):
 
     def flag(self, name: str) -> Any:
         return getattr(self, name)
+
+    @field_serializer("training_script_args", when_used="json")
+    def _args_without_secrets(self, args: tuple[str, ...]) -> list[str]:
+        # stored as a flow parameter: a token pasted on the command line (`--tok $HF_TOKEN`) must not be
+        from prefect_accelerate.secrets import redact_argv
+
+        return list(redact_argv(args))
 
     def is_given(self, name: str) -> bool:
         return name in self.given
@@ -283,6 +297,7 @@ def resolve_launch_options(
         )
     if a.get("num_processes") is not None and a["num_processes"] < 1:
         raise UsageError(f"num_processes is {a['num_processes']}; pass --num_processes 1 or more.")
+    check_ranges(a, given_set)
 
     if config is None or not isinstance(config, SageMakerConfig):
         if a.get("num_cpu_threads_per_process") is None:
@@ -302,7 +317,7 @@ def resolve_launch_options(
 
     grace = a.get("grace_period")
     if grace is not None:
-        if float(grace) <= 0:
+        if not math.isfinite(float(grace)) or float(grace) <= 0:
             raise UsageError(f"--grace_period is {grace}: it must be a number of seconds above 0 (default 20).")
         if float(grace) >= PREFECT_KILL_SECONDS:
             notes.append(
@@ -315,6 +330,73 @@ def resolve_launch_options(
     extra.update(given=given_set, mixed_precision_from_config=mp_from_config, notes=tuple(notes))
     fields = {k: v for k, v in a.items() if k in OPTION_FIELDS}
     return LaunchOptions(**fields, **extra)
+
+
+def _name(dest: str, given: frozenset[str]) -> str:
+    """How the user set a value: the flag when they passed it, else the config field."""
+    return f"--{dest}" if dest in given else f"`{dest}` (from the config file or the default)"
+
+
+def check_ranges(a: Mapping[str, Any], given: frozenset[str]) -> None:
+    """Refuse values no launch can use, naming the flag (or the config field) and the range.
+
+    One place for both sources: flags were parsed by argparse, config values were validated by the config
+    model for type, and here both are held to what a launch can do.
+    """
+    def bad(dest: str, why: str) -> UsageError:
+        return UsageError(f"{_name(dest, given)} is {a.get(dest)!r}: {why}. Fix the value and run the command again.")
+
+    def whole(dest: str) -> int | None:
+        value = a.get(dest)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            try:
+                value = int(str(value))
+            except ValueError:
+                raise bad(dest, "it must be a whole number") from None
+        return value
+
+    machines = whole("num_machines")
+    if machines is not None and not 1 <= machines <= MAX_MACHINES:
+        raise bad("num_machines", f"it must be between 1 and {MAX_MACHINES}")
+    processes = whole("num_processes")
+    if processes is not None:
+        if processes > MAX_PROCESSES:
+            raise bad("num_processes", f"a launch starts at most {MAX_PROCESSES:,} processes in all")
+        per_machine = processes // max(machines or 1, 1)
+        if per_machine > MAX_PROCESSES_PER_MACHINE:
+            raise bad("num_processes", f"that is {per_machine:,} processes on one machine; at most {MAX_PROCESSES_PER_MACHINE} are started per machine")
+    rank = whole("machine_rank")
+    if rank is not None and not 0 <= rank < max(machines or 1, 1):
+        raise bad("machine_rank", f"machine ranks go from 0 to num_machines - 1 ({max(machines or 1, 1) - 1})")
+    port = whole("main_process_port")
+    if port is not None and not 0 <= port <= 65535:
+        raise bad("main_process_port", "a port is between 1 and 65535 (or 0 to pick a free one)")
+    stage = whole("zero_stage")
+    if stage is not None and not 0 <= stage <= 3:
+        raise bad("zero_stage", "DeepSpeed's ZeRO stages are 0, 1, 2 and 3")
+    threads = whole("num_cpu_threads_per_process")
+    if threads is not None and threads < 1:
+        raise bad("num_cpu_threads_per_process", "it must be 1 or more")
+    restarts = whole("max_restarts")
+    if restarts is not None and restarts < 0:
+        raise bad("max_restarts", "it must be 0 or more")
+    ids = a.get("gpu_ids")
+    if ids is not None and str(ids).strip().lower() != "all":
+        parts = [part.strip() for part in str(ids).strip().rstrip(",").split(",")]
+        if not parts or not all(part.isdigit() for part in parts):
+            raise bad("gpu_ids", "it must be `all` or a comma-separated list of device indices such as 0,1")
+    for dest in ("timeout", "monitor_interval"):
+        value = a.get(dest)
+        if value is None:
+            continue
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise bad(dest, "it must be a number of seconds") from None
+        if not math.isfinite(number) or number <= 0:
+            raise bad(dest, "it must be a number of seconds above 0")
 
 
 def options_from_namespace(

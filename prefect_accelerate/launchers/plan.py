@@ -12,7 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
-from prefect_accelerate.secrets import REDACTED, is_secret_name
+from prefect_accelerate.secrets import REDACTED, Redactor, is_secret_name, known_secret_values, redact_argv
+
+
 
 
 class LaunchPlan(BaseModel):
@@ -45,28 +47,49 @@ class LaunchPlan(BaseModel):
     def is_secret(self, name: str) -> bool:
         return name in self.secret_env or is_secret_name(name)
 
+    @field_serializer("argv", when_used="json")
+    def _argv_without_secrets(self, argv: tuple[str, ...]) -> list[str]:
+        # `train.py --tok $HF_TOKEN`: stored flow parameters must not hold the token
+        return list(self.shown_argv())
+
+    @field_serializer("request", when_used="json")
+    def _request_without_secrets(self, request: dict[str, Any] | None) -> dict[str, Any] | None:
+        return self.shown_request()
+
     @field_serializer("env", when_used="json")
     def _env_without_secrets(self, env: dict[str, str]) -> dict[str, str]:
         # a plan passed as a flow parameter is stored by Prefect as JSON: secrets must not be
         return {k: (REDACTED if self.is_secret(k) else v) for k, v in env.items()}
+
+    def shown_argv(self) -> tuple[str, ...]:
+        """The command with known secret values (this environment's and the plan's) replaced by ***."""
+        return redact_argv(self.argv, {k: v for k, v in self.env.items() if self.is_secret(k)})
+
+    def shown_request(self) -> dict[str, Any] | None:
+        """The remote job request with known secret values (e.g. a token among the script's hyperparameters) as ***."""
+        if self.request is None:
+            return None
+        redact = Redactor(known_secret_values({k: v for k, v in self.env.items() if self.is_secret(k)}))
+        return _redact_strings(self.request, redact)
 
     def redacted_env(self) -> dict[str, str]:
         return {k: (REDACTED if self.is_secret(k) else v) for k, v in self.env.items()}
 
     def to_json_dict(self) -> dict[str, Any]:
         """The `--dry-run --json` object: launcher, argv, env (added or changed, secrets redacted), cwd."""
-        data: dict[str, Any] = {"launcher": self.launcher, "argv": list(self.argv), "env": self.redacted_env(), "cwd": self.cwd}
+        data: dict[str, Any] = {"launcher": self.launcher, "argv": list(self.shown_argv()), "env": self.redacted_env(), "cwd": self.cwd}
         if self.files:
             data["files"] = {path: _redact_text(content, self) for path, content in self.files.items()}
         if self.request is not None:
-            data["request"] = self.request
+            data["request"] = self.shown_request()
         return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_json_dict(), indent=2, sort_keys=False)
 
     def command_line(self) -> str:
-        return shlex.join(self.argv)
+        """The command as shown in logs and dry-run output (known secret values as ***); never run this text."""
+        return shlex.join(self.shown_argv())
 
     def describe(self) -> str:
         """Human-readable dry-run text."""
@@ -79,10 +102,20 @@ class LaunchPlan(BaseModel):
             lines += [f"  {line}" for line in _redact_text(content, self).splitlines()]
         if self.request is not None:
             lines.append("Remote job request:")
-            lines += [f"  {line}" for line in json.dumps(self.request, indent=2, sort_keys=True).splitlines()]
+            lines += [f"  {line}" for line in json.dumps(self.shown_request(), indent=2, sort_keys=True).splitlines()]
         lines += [f"Note: {n}" for n in self.notes]
         lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _redact_strings(data: Any, redact: Redactor) -> Any:
+    if isinstance(data, str):
+        return redact(data)
+    if isinstance(data, dict):
+        return {key: _redact_strings(value, redact) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_redact_strings(value, redact) for value in data]
+    return data
 
 
 def _redact_text(text: str, plan: LaunchPlan) -> str:

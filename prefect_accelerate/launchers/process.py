@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import re
 import signal
 import subprocess
 import threading
@@ -28,8 +27,12 @@ from prefect_accelerate.errors import LaunchError
 from prefect_accelerate.signals import sigterm_as_exception
 from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.secrets import Redactor
-from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, read_error_file
-from prefect_accelerate.launchers.state import new_run_dir, remove_state, write_state
+from prefect_accelerate.launchers.result import (
+    RANK_PREFIX, TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, rank_exception, read_error_file,
+)
+from prefect_accelerate.launchers.state import (
+    PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_private_dir, new_run_dir, remove_state, write_state,
+)
 
 #: seconds between SIGTERM and SIGKILL; below Prefect's 30 s so we finish before it kills us
 GRACE_SECONDS = 20.0
@@ -40,7 +43,7 @@ TAIL_LINES = 200
 #: (label, line) -> None; label is "rank N" for rank-prefixed lines, else the launcher's name
 LineCallback = Callable[[str, str], None]
 
-_RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_][\w-]*?)(?P<rank>\d+)\]:")
+_RANK_PREFIX = RANK_PREFIX
 
 
 def split_rank(line: str, default: str, first_rank: int = 0) -> tuple[str, str]:
@@ -152,12 +155,11 @@ def run_plan(
         The LaunchResult (also for failures; call `raise_for_failure()`). Interrupts (Ctrl-C, SIGTERM,
         Prefect cancellation) stop the tree and are re-raised.
     """
-    run_dir = Path(plan.run_dir) if plan.run_dir else new_run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_private_dir(Path(plan.run_dir) if plan.run_dir else new_run_dir(), "run folder")
     for name, content in plan.files.items():
         target = Path(name) if os.path.isabs(name) else run_dir / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(content)
+        _write_private(target, content)
     log_path = run_dir / "launch.log"
     env = {**os.environ, **plan.env}
     redact = Redactor([value for name, value in env.items() if plan.is_secret(name)])
@@ -185,16 +187,20 @@ def run_plan(
              "run_dir": str(run_dir), "command": command, "started_at": time.time()}
     write_state(launch_id, {**state, "processes": tracker.as_records()})
 
+    stopping = threading.Event()
+
     def read_output() -> None:
-        with open(log_path, "a", encoding="utf-8") as log:
+        with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, PRIVATE_FILE_MODE), "a", encoding="utf-8") as log:
             assert process.stdout is not None
             for raw in iter(process.stdout.readline, b""):
                 line = redact(raw.decode("utf-8", errors="replace").rstrip("\r\n"))
                 log.write(line + "\n")
                 log.flush()
+                label, text = split_rank(line, label_default, first_rank)
+                if stopping.is_set() and label == label_default:
+                    continue  # torchrun's own SignalException traceback while we stop it: log file only
                 tail.append(line)
                 if on_line is not None:
-                    label, text = split_rank(line, label_default, first_rank)
                     try:
                         on_line(label, text)
                     except Exception:  # a broken callback must not stop the draining
@@ -215,15 +221,31 @@ def run_plan(
                 time.sleep(POLL_SECONDS)
     finally:
         # every path: normal exit (reap stragglers), deadline, error, Ctrl-C, SIGTERM, cancellation
+        if process.poll() is None:
+            stopping.set()
         terminate_tree(process, tracker, grace)
         reader.join(timeout=10)
         remove_state(launch_id)
+        # torchrun's per-rank logs hold the workers' raw output: redact them like our own log (issue 17)
+        log_dir = _log_dir(plan)
+        seal_folder(run_dir, redact)
+        if log_dir is not None and run_dir not in log_dir.parents and log_dir != run_dir:
+            seal_folder(log_dir, redact)
 
     duration = time.monotonic() - started
     code = process.returncode if process.returncode is not None else -9
     lines = list(tail)
     failures, root_rank = parse_rank_failures(lines) if code != 0 else ([], None)
     message, error_code = read_error_file(run_dir / "error.json") if code != 0 else (None, None)
+    if stopping.is_set() and message and message.startswith("SignalException"):
+        message = None  # torchrun recording the SIGTERM we sent it: our own stop, not the training's error
+    root_rank = _own_exception_rank(failures, root_rank)
+    if code != 0 and log_dir is not None and root_rank is not None:
+        # the worker's own exception (type, message, the user's frame) instead of torchrun's table
+        own = rank_exception(log_dir, root_rank - first_rank)
+        if own:
+            # the closing lines are then the workers' own, not torchrun's failure table and traceback
+            message, lines = own, [line for line in lines if RANK_PREFIX.match(line)] or lines
     worker_code = code
     if failures:
         worker_code = failures[0].exit_code
@@ -238,3 +260,63 @@ def run_plan(
         failed_ranks=failures, root_cause_rank=root_rank, error=message, duration_s=round(duration, 3), run_dir=str(run_dir),
         log_path=str(log_path), tail=lines[-40:], timed_out=timed_out,
     )
+
+
+def _write_private(path: Path, content: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    with open(fd, "w", encoding="utf-8") as handle:
+        handle.write(content)
+
+
+def _log_dir(plan: LaunchPlan) -> Path | None:
+    """torchrun's --log_dir in the plan's command (where the per-rank stdout/stderr/error files go)."""
+    argv = list(plan.argv)
+    if "--log_dir" in argv[:-1]:
+        return Path(plan.cwd, argv[argv.index("--log_dir") + 1])
+    return None
+
+
+def _own_exception_rank(failures, root_rank: int | None) -> int | None:
+    """The rank whose exception to show: the first failure that was not a SIGTERM from torchrun."""
+    for failure in failures:
+        if failure.exit_code != -15:
+            return failure.rank
+    return root_rank
+
+
+def seal_folder(folder: Path, redact: Redactor) -> None:
+    """Replace known secret values in every file under `folder`, and make it and them owner-only.
+
+    Written files are torchrun's per-rank logs (the workers' raw output) and our own; each is rewritten
+    line by line through `redact` only when a secret is in it.
+    """
+    if not folder.is_dir():
+        return
+    for root, dirs, files in os.walk(folder):
+        with contextlib.suppress(OSError):
+            os.chmod(root, PRIVATE_DIR_MODE)
+        for name in files:
+            path = Path(root, name)
+            with contextlib.suppress(OSError):
+                if path.is_symlink() or not path.is_file():
+                    continue
+                os.chmod(path, PRIVATE_FILE_MODE)
+                _redact_file(path, redact)
+
+
+def _redact_file(path: Path, redact: Redactor) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.redact")
+    changed = False
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    try:
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as source, \
+                open(fd, "w", encoding="utf-8", errors="surrogateescape", newline="") as target:
+            for line in source:  # streamed: per-rank logs can be large
+                cleaned = redact(line)
+                changed = changed or cleaned != line
+                target.write(cleaned)
+        if changed:
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)

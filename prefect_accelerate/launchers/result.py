@@ -2,13 +2,17 @@
 
 torchrun always exits 1 when a worker fails; the worker's code and error are in its root-cause report
 (the JSON at TORCHELASTIC_ERROR_FILE, written when the worker raised inside `@record`) and in the
-"Root Cause" table it prints (spike-prefect-torch §4.3). Both are read here.
+"Root Cause" table it prints (spike-prefect-torch §4.3). Both are read here. The failing worker's own
+Python exception comes from its per-rank files under torchrun's --log_dir: `error.json` when the script
+used `@record`, else the last traceback in its `stderr.log`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -20,6 +24,11 @@ TIMEOUT_EXIT_CODE = 124
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 _ROOT_CAUSE = re.compile(r"Root Cause")
+#: torchrun's `--tee` prefix on a worker's line: `[default3]:` (role, local rank)
+RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_][\w-]*?)(?P<rank>\d+)\]:")
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.+)$')
+#: how much of a rank's stderr.log is read for its last traceback
+_STDERR_TAIL_BYTES = 256 * 1024
 
 
 class RankFailure(BaseModel):
@@ -121,3 +130,66 @@ def read_error_file(path: Path) -> tuple[str | None, int | None]:
         code = message.get("errorCode")
         return (str(text) if text else None), (int(code) if isinstance(code, int) else None)
     return (str(message) if message else None), None
+
+
+def _is_library_file(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    roots = {os.path.abspath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    return (
+        "site-packages" in path.split(os.sep) or "dist-packages" in path.split(os.sep)
+        or any(path.startswith(root + os.sep) for root in roots) or filename.startswith("<")
+    )
+
+
+def describe_traceback(lines: list[str]) -> str | None:
+    """`Type: message (at file, line N, in func)` for the last Python traceback in `lines`, at the last
+    frame of the user's code (not the standard library's or an installed package's). None without one."""
+    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")), default=None)
+    if start is None:
+        return None
+    frames: list[tuple[str, str, str]] = []
+    exception: str | None = None
+    for line in lines[start + 1:]:
+        match = _FRAME.match(line)
+        if match:
+            frames.append((match["file"], match["line"], match["func"]))
+        elif line and not line[0].isspace():
+            exception = line.strip()  # the first unindented line after the frames: `ValueError: ...`
+            break
+    if not exception:
+        return None
+    user = [frame for frame in frames if not _is_library_file(frame[0])] or frames
+    if not user:
+        return exception
+    file, number, func = user[-1]
+    return f"{exception} (at {file}, line {number}, in {func})"
+
+
+def rank_exception(log_dir: Path, local_rank: int) -> str | None:
+    """The exception a worker died of, from its files under torchrun's --log_dir (latest attempt), or None."""
+    attempts = sorted(Path(log_dir).glob(f"*/attempt_*/{local_rank}"), key=lambda p: (p.stat().st_mtime, p.name))
+    for folder in reversed(attempts):
+        error_file = folder / "error.json"
+        if error_file.is_file():
+            message, _ = read_error_file(error_file)
+            stack = _callstack(error_file)
+            if message:
+                where = describe_traceback(stack.splitlines()) if stack else None
+                return where if where and where.startswith(message.split(":", 1)[0]) else message
+        stderr = folder / "stderr.log"
+        if stderr.is_file():
+            with open(stderr, "rb") as handle:
+                handle.seek(max(stderr.stat().st_size - _STDERR_TAIL_BYTES, 0))
+                text = handle.read().decode("utf-8", errors="replace")
+            found = describe_traceback(text.splitlines())
+            if found:
+                return found
+    return None
+
+
+def _callstack(error_file: Path) -> str | None:
+    try:
+        data = json.loads(error_file.read_text())
+        return str(data["message"]["extraInfo"]["py_callstack"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

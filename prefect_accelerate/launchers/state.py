@@ -19,6 +19,31 @@ from pathlib import Path
 from typing import Any
 
 STATE_ENV = "PREFECT_ACCELERATE_STATE_DIR"
+#: run folders and state files hold logs with the training's output: readable by their owner only
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def make_private_dir(path: Path, what: str = "folder") -> Path:
+    """Create `path` (and missing parents) readable by the owner only; a one-paragraph UsageError if it cannot be.
+
+    Existing folders keep their parents' modes; the folder itself is made owner-only.
+    """
+    from prefect_accelerate.errors import UsageError
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+        os.chmod(path, PRIVATE_DIR_MODE)
+    except OSError as error:
+        blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker is not None else (error.strerror or str(error))
+        hint = f" ({STATE_ENV} is {os.environ[STATE_ENV]})" if os.environ.get(STATE_ENV) and what.startswith("state") else ""
+        raise UsageError(
+            f"Could not create the {what} {path}: {why}{hint}. Choose a folder you can write to (--run_dir for a "
+            f"launch's folder, {STATE_ENV} for the state folder), then run the command again."
+        ) from None
+    return path
 
 
 def state_dir() -> Path:
@@ -45,11 +70,12 @@ SAGEMAKER_JOBS = "sagemaker-jobs"
 
 def write_record(kind: str, record_id: str, data: dict[str, Any]) -> Path:
     """Write `<state>/<kind>/<record_id>.json` atomically, tagged with this host's name."""
-    folder = state_dir() / kind
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = make_private_dir(state_dir() / kind, "state folder")
     path = folder / f"{record_id}.json"
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**data, "host": socket.gethostname()}, indent=1))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps({**data, "host": socket.gethostname()}, indent=1))
     os.replace(tmp, path)
     return path
 

@@ -52,7 +52,44 @@ def validation_key(request: PipelineRequest) -> str:
     return "pa-validate-" + digest({"steps": keys, "error": graph.error})
 
 
-def validate_one(config_file: str, validation: ValidationRequest) -> ConfigValidation:
+def validate_one(config_file: str, validation: ValidationRequest, host=None) -> ConfigValidation:  # noqa: ANN001 - a HostProbe
     request = request_for(config_file, validation)
     report = run_preflight_direct(request, skip=frozenset({"env"}))  # the machine is probed once per validation run
-    return ConfigValidation(config_file=config_file, ok=report.ok, failed_step=report.failed_step, message=report.message, steps=report.steps)
+    message = report.message
+    note = config_note(config_file, ok=report.ok, failed_step=report.failed_step, host=host)
+    if note:
+        message = f"{message} {note}"
+    return ConfigValidation(config_file=config_file, ok=report.ok, failed_step=report.failed_step, message=message, steps=report.steps)
+
+
+#: distributed types whose launch is meant for GPUs (or other accelerators)
+_DEVICE_TYPES = frozenset({"MULTI_GPU", "FSDP", "DEEPSPEED", "MEGATRON_LM", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDAA", "MULTI_MUSA", "MULTI_HPU"})
+
+
+def config_note(config_file: str, *, ok: bool, failed_step: str | None, host=None) -> str:  # noqa: ANN001 - a HostProbe
+    """What a pass or a failure of this config means on this machine: the cause and fix of a known failure,
+    or that a device config passed on CPU only. Empty when there is nothing to add."""
+    from prefect_accelerate.config.io import load_config_path
+    from prefect_accelerate.config.model import as_bool
+    from prefect_accelerate.errors import PrefectAccelerateError
+    from prefect_accelerate.launchers.host import local_host
+
+    try:
+        config = load_config_path(config_file).config
+    except PrefectAccelerateError:
+        return ""  # the config step already said what is wrong
+    kind = config.distributed_type.value
+    use_cpu = as_bool(getattr(config, "use_cpu", False))
+    if not ok and failed_step == "install-test" and kind == "DEEPSPEED" and use_cpu:
+        return (
+            "Cause: use_cpu: true turns DeepSpeed off inside Accelerate (its DeepSpeed set-up runs only without "
+            "use_cpu), so the processes never formed one group and each counted only itself. Fix: set use_cpu: false "
+            "(DeepSpeed uses its CPU accelerator on a machine without GPUs), or use distributed_type: MULTI_CPU for "
+            "a plain CPU run."
+        )
+    if ok and kind in _DEVICE_TYPES and not use_cpu and (host or local_host()).accelerator_kind() in (None, "mps"):
+        return (
+            f"Checked on CPU only: this machine has no GPU, so the {kind} self-test ran its processes with gloo on CPU; "
+            "the GPU path (NCCL, device placement, memory) was not exercised. Run validate on a GPU machine for that."
+        )
+    return ""

@@ -18,9 +18,9 @@ def run(*argv: str, env: dict | None = None, cwd: str | None = None, stdin: str 
     return subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}, cwd=cwd, input=stdin)
 
 
-def imported_modules(*argv: str, env: dict | None = None) -> set[str]:
+def imported_modules(*argv: str, env: dict | None = None, cwd: str | None = None) -> set[str]:
     done = subprocess.run([sys.executable, "-X", "importtime", "-m", "prefect_accelerate.cli.main", *argv], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+                          text=True, timeout=120, env={**os.environ, **(env or {})}, cwd=cwd)
     names = set()
     for line in done.stderr.splitlines():
         if line.startswith("import time:") and "|" in line:
@@ -45,15 +45,17 @@ def test_launch_help_hides_hyphen_aliases():
 
 def test_dry_run_json_is_one_object_and_imports_nothing_heavy(tmp_path):
     argv = ("launch", "--dry-run", "--json", "--cpu", "--num_processes", "2", "--mixed_precision", "no", "--dynamo_backend", "no", "--num_machines", "1", "train.py", "--lr", "1")
+    (tmp_path / "train.py").write_text("print('train')\n")
     done = run(*argv, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert set(plan) == {"launcher", "argv", "env", "cwd"}
     assert plan["launcher"] == "torchrun" and plan["argv"][-3:] == ["train.py", "--lr", "1"]
     assert plan["env"]["ACCELERATE_USE_CPU"] == "True" and plan["cwd"] == str(tmp_path)
-    modules = imported_modules(*argv)
+    modules = imported_modules(*argv, cwd=str(tmp_path))
+    assert "prefect_accelerate.launchers.engines" in modules  # it did plan
     assert not {m for m in modules if m.split(".")[0] in ("torch", "prefect")}
-    assert not list(tmp_path.iterdir())  # nothing written, nothing started
+    assert [p.name for p in tmp_path.iterdir()] == ["train.py"]  # nothing written, nothing started
 
 
 def test_dry_run_redacts_secrets(tmp_path):
@@ -102,7 +104,8 @@ def test_commands_using_the_default_file_say_which(tmp_path):
     (home / "accelerate" / "default_config.yaml").write_text("distributed_type: NO\nfp16: true\n")
     done = run("config", "update", env={"HF_HOME": str(home)})
     assert f"Using the default config file {home / 'accelerate' / 'default_config.yaml'}" in done.stderr
-    launched = run("launch", "--dry-run", "train.py", env={"HF_HOME": str(home)})
+    (tmp_path / "train.py").write_text("print('train')\n")
+    launched = run("launch", "--dry-run", "train.py", env={"HF_HOME": str(home)}, cwd=str(tmp_path))
     assert f"Using the default config file {home / 'accelerate' / 'default_config.yaml'}" in launched.stdout
 
 

@@ -74,3 +74,26 @@ def test_without_the_check_nothing_is_imported(fake_packages):
     check = ImportCheck(engines, check_imports=False)
     assert check._process is None
     assert check.results()[0].importable is None
+
+
+def test_the_check_imports_what_the_commands_import_and_names_what_breaks(fake_packages, tmp_path):
+    """Issue 17: `import transformers` worked while `from transformers import LlamaConfig` failed on a broken
+    torchvision, and `env` said "importable". The check runs the commands' own imports and names the culprit."""
+    fake_packages(vision_pkg="raise RuntimeError('operator torchvision::nms does not exist')\n", lazy_pkg="VERSION = '5'\n")
+    (tmp_path / "lazy_pkg" / "models.py").write_text("import vision_pkg\nLlamaConfig = object\n")
+    engine = EngineSpec("lazy_pkg", "lazy_pkg", "lazy_pkg", ("from lazy_pkg.models import LlamaConfig",))
+    with ImportCheck([engine]) as check:
+        probe = check.results()[0]
+    assert probe.installed and probe.importable is False
+    assert probe.error == (
+        "`from lazy_pkg.models import LlamaConfig` fails: RuntimeError: operator torchvision::nms does not exist "
+        "(raised while importing vision_pkg)"
+    )
+
+
+def test_transformers_is_checked_through_the_imports_estimate_memory_uses():
+    from prefect_accelerate.envreport.importcheck import OPTIONAL_ENGINES
+
+    transformers = next(spec for spec in OPTIONAL_ENGINES if spec.module == "transformers")
+    assert any("AutoConfig" in statement for statement in transformers.statements)
+    assert any("LlamaConfig" in statement for statement in transformers.statements)

@@ -55,7 +55,8 @@ def test_config_scalars_accelerate_ignores_are_applied(tmp_path):
 
 def test_defaults_warning_lists_what_was_not_passed():
     options = parse("t.py", host=CPU)
-    assert options.defaults_warning.startswith("The following values were not passed to `accelerate launch`")
+    assert options.defaults_warning.startswith("The following values were not passed to `prefect-accelerate launch`")
+    assert "`accelerate launch`" not in options.defaults_warning and "`accelerate config`" not in options.defaults_warning
     for part in ("`--num_processes` was set to a value of `1`", "`--num_machines` was set to a value of `1`", "`--mixed_precision` was set to a value of `'no'`", "`--dynamo_backend` was set to a value of `'no'`"):
         assert part in options.defaults_warning
     assert parse("--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "t.py", host=CPU).defaults_warning is None
@@ -199,3 +200,46 @@ def test_grace_period_must_be_positive_and_is_warned_about_at_prefects_kill_time
     assert not any("grace_period" in note for note in parse("--cpu", "--grace_period", "29", "t.py").notes)
     long = parse("--cpu", "--grace_period", "30", "t.py")
     assert any("--grace_period 30 s is not below Prefect's 30 s" in note for note in long.notes)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--num_processes", "99999999999"], "--num_processes"),
+        (["--cpu", "--num_processes", "5000"], "--num_processes"),
+        (["--num_machines", "-3"], "--num_machines"),
+        (["--main_process_port", "-5"], "--main_process_port"),
+        (["--main_process_port", "99999"], "--main_process_port"),
+        (["--use_deepspeed", "--zero_stage", "7"], "--zero_stage"),
+        (["--gpu_ids", "abc,-1"], "--gpu_ids"),
+        (["--timeout", "nan"], "--timeout"),
+        (["--timeout", "-5"], "--timeout"),
+        (["--grace_period", "nan"], "--grace_period"),
+        (["--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "10.0.0.1"], "--machine_rank"),
+    ],
+)
+def test_nonsense_values_are_refused_naming_the_flag(argv, named):
+    with pytest.raises(UsageError, match=named):
+        parse(*argv, "t.py", host=CPU)
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ("num_processes: 99999999999", "num_processes"),
+        ("num_machines: -3", "num_machines"),
+        ("main_process_port: 99999", "main_process_port"),
+        ("gpu_ids: abc,-1", "gpu_ids"),
+        ("deepspeed_config:\n  zero_stage: 7", "deepspeed_config.zero_stage"),
+    ],
+)
+def test_the_same_nonsense_in_a_config_file_is_refused_naming_the_field(tmp_path, line, field):
+    from prefect_accelerate.config.update import update_config_file
+
+    config = write(tmp_path, f"distributed_type: MULTI_CPU\n{line}\n")
+    before = (tmp_path / "cfg.yaml").read_bytes()
+    with pytest.raises(ConfigError, match=f"`{field}`"):
+        parse("--config_file", config, "t.py", host=CPU)
+    with pytest.raises(ConfigError, match=f"`{field}`"):
+        update_config_file(config)
+    assert (tmp_path / "cfg.yaml").read_bytes() == before

@@ -31,7 +31,7 @@ from prefect_accelerate.config.model import SageMakerConfig
 from prefect_accelerate.errors import ConfigError, DependencyError, UsageError
 from prefect_accelerate.launchers.engines.sagemaker import credentials as aws_credentials
 from prefect_accelerate.launchers import environment as blocks
-from prefect_accelerate.secrets import REDACTED, SECRET_ENV_NAMES
+from prefect_accelerate.secrets import REDACTED, is_secret_name
 from prefect_accelerate.launchers.host import HostProbe
 from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.launchers.engines.sagemaker.hparams import script_hyperparameters, serialize_hyperparameter
@@ -364,7 +364,7 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
             raise ConfigError(f"additional_args.{key} cannot change the script: it is the launch's training script ({options.training_script}).")
     image, image_source = resolve_image(config, str(fields["instance_type"]), {k: extra.get(k) for k in (*_VERSIONS, "image_uri")})
 
-    secret_names = tuple(sorted(name for name in fields["environment"] if name in SECRET_ENV_NAMES))
+    secret_names = tuple(sorted(name for name in fields["environment"] if is_secret_name(name)))  # the one rule
     secret_env = {name: SecretStr(str(fields["environment"][name])) for name in secret_names}
     shown_environment = {k: (REDACTED if k in secret_names else str(v)) for k, v in fields["environment"].items()}
     block = getattr(options, "aws_credentials_block", None) or os.environ.get(aws_credentials.AWS_BLOCK_ENV) or None

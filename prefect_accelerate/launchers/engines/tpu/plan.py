@@ -33,7 +33,7 @@ from pathlib import Path
 from prefect_accelerate.config.model import as_bool
 from prefect_accelerate.errors import DependencyError, UsageError
 from prefect_accelerate.launchers import environment as blocks
-from prefect_accelerate.secrets import SECRET_ENV_NAMES
+from prefect_accelerate.secrets import is_secret_name
 from prefect_accelerate.launchers.engines.tpu.gcloud import TPU_BLOCK_ENV, TpuPod, resolve_pod, scp_argv, ssh_argv
 from prefect_accelerate.launchers.host import HostProbe
 from prefect_accelerate.launchers.plan import LaunchPlan
@@ -125,7 +125,7 @@ def _split_env(entries: list[str]) -> tuple[dict[str, str], dict[str, str | None
             )
         inline.pop(name, None)
         forwarded.pop(name, None)
-        if has_value and name not in SECRET_ENV_NAMES:
+        if has_value and not is_secret_name(name):
             inline[name] = value
         else:
             forwarded[name] = value if has_value else None

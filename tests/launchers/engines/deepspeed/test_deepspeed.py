@@ -239,6 +239,7 @@ def test_dry_run_json_shows_the_runner_command_and_env(tmp_path, launcher):
         argv += ["--num_processes", "4", "--num_machines", "2", "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
                  "--deepspeed_hostfile", "hostfile", "--deepspeed_multinode_launcher", launcher]
     env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "HF_TOKEN": "hf_secret_value"}
+    (tmp_path / "train.py").write_text("print('train')\n")
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "prefect_accelerate.cli.main", "launch", "--dry-run", "--json",
          "--run_dir", str(tmp_path / "run"), *argv, "train.py", "--lr", "1"],

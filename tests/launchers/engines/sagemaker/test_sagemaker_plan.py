@@ -318,6 +318,19 @@ def test_key_flags_are_kept_in_memory_and_never_in_the_plan(project):
     aws_credentials.forget(handle)
 
 
+def test_every_secret_looking_job_variable_is_hidden_by_the_one_rule(project):
+    """OPENAI_API_KEY, MY_SERVICE_SECRET and DB_PASSWORD are secret by name, as everywhere else (issue 17)."""
+    values = {"OPENAI_API_KEY": "sk-openai-example-1", "MY_SERVICE_SECRET": "svc-secret-2", "DB_PASSWORD": "db-pass-3"}
+    env = ", ".join(f"{k}: {v}" for k, v in values.items())
+    plan = make_plan(project, extra=f"additional_args:\n  environment: {{{env}, PLAIN: shown}}\n")
+    shown = plan.to_json() + plan.describe() + plan.model_dump_json()
+    assert not [v for v in values.values() if v in shown]
+    assert all(plan.request["environment"][k] == "***" for k in values) and plan.request["environment"]["PLAIN"] == "shown"
+    handle = plan.request["credentials"]["handle"]
+    assert set(values.values()) <= set(aws_credentials.secret_values(handle))
+    aws_credentials.forget(handle)
+
+
 def test_only_one_key_flag_is_a_usage_error(project):
     with pytest.raises(UsageError, match="Only --aws_secret_access_key was given"):
         make_plan(project, aws_secret_access_key="x")
