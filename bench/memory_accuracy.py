@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, folder in folders.items():
             library = "timm" if name.startswith("timm") else "transformers"
             for label, batch, seq, precision in runs:
-                est = estimate(str(folder), EstimateOptions(strategy="ddp", batch_size=batch, seq_len=seq, mixed_precision=precision))
+                est = estimate(str(folder), EstimateOptions(strategy="ddp", batch_size=batch, seq_len=seq, mixed_precision=precision,
+                                                                device_type="cpu"))
                 b = est.breakdown
                 measured = train_and_measure(real_model(folder, library), library, batch, seq, args.steps, precision == "bf16")
                 est_states = sum(b.item(k).bytes for k in ("parameters", "gradients", "optimizer_states"))

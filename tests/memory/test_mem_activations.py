@@ -116,7 +116,7 @@ def test_estimate_is_within_15_percent_of_real_cpu_training(zoo):
                 tracker.reset_mod_stats()
     peak = tracker.get_tracker_snapshot("peak")
     measured = next(iter(peak.values()))["Total"]
-    _, breakdown = traced(zoo["tiny-llama"], seq_len=128, batch_size=4)
+    _, breakdown = traced(zoo["tiny-llama"], seq_len=128, batch_size=4, device_type="cpu")  # CPU's own kernels
     assert 0.85 < breakdown.device_total_bytes / measured < 1.15
 
 
