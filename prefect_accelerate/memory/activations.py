@@ -185,7 +185,14 @@ def trace_activations(
         for handle in handles:
             handle.remove()
 
-    kept = sum(_nbytes(t) for t in {id(t): t for t in cache}.values())
+    # a KV cache the output holds: its tensors are mostly the keys/values attention saved anyway; any it
+    # holds besides those (transformers may cache keys in another dtype) are alive from forward on
+    cache_all, cache_unsaved = 0, 0
+    for tensor in {id(t): t for t in cache}.values():
+        base = tensor._base if tensor._base is not None else tensor
+        cache_all += _nbytes(base)
+        if id(base) not in recorder.seen:
+            cache_unsaved += _nbytes(base)
     retained = 0
     for tensor in outputs:
         base = tensor._base if tensor._base is not None else tensor
@@ -205,7 +212,7 @@ def trace_activations(
         inputs += [inputs[-1]] * extra
         casts += [casts[-1]] * extra
         note = f"Traced {count} of {full_depth} identical blocks; the rest counted like the last one."
-        kept = kept * full_depth // count  # one cache entry per block
+        cache_all, cache_unsaved = (cache_all * full_depth // count, cache_unsaved * full_depth // count)  # one entry per block
     cast_total = recorder.cast_outside + sum(casts)
     return ActivationProfile(
         method="traced", batch_size=batch_size, seq_len=used_seq, input_description=description,
@@ -217,7 +224,8 @@ def trace_activations(
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
         autocast_weight_copy_bytes=cast_total,
-        kept_output_bytes=kept,
+        cache_bytes=cache_all,
+        cache_unsaved_bytes=cache_unsaved,
         attention_implementation=(getattr(config, "_attn_implementation", None) if library == "transformers"
                                   else "sdpa" if kernel_log is not None and kernel_log.kernels else None),
         attention_kernels=list(kernel_log.kernels) if kernel_log is not None else [],

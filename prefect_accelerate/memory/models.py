@@ -131,7 +131,8 @@ class ActivationProfile(_Frozen):
     retained_output_bytes: int = 0
     largest_tensor_bytes: int = 0
     autocast_weight_copy_bytes: int = 0
-    kept_output_bytes: int = Field(0, description="tensors the model's output keeps besides the logits (a KV cache), alive until the next step's output replaces it")
+    cache_bytes: int = Field(0, description="a KV cache the model's output holds (transformers' DynamicCache); the loop keeps it through the step")
+    cache_unsaved_bytes: int = Field(0, description="the part of that cache that is not also saved for backward (alive from forward on)")
     attention_implementation: str | None = Field(None, description="transformers' attention implementation the trace ran")
     attention_kernels: list[str] = Field(default_factory=list, description="CUDA SDPA kernels stood in for: flash, efficient, math")
     note: str = ""

@@ -281,11 +281,11 @@ def _loop_outputs(acts: ActivationProfile | None, options: EstimateOptions) -> M
     if acts is None or acts.method != "traced":
         return MemoryItem.of("loop_outputs", "Outputs kept through the step", 0, "not estimated")
     scale = options.batch_size / acts.batch_size
-    formula = "the model's outputs (logits"
-    formula += ", KV cache)" if acts.kept_output_bytes else ")"
+    # transformers turns the cache off under gradient checkpointing
+    cache = 0 if options.gradient_checkpointing else acts.cache_bytes
+    formula = "the model's outputs (logits" + (", KV cache)" if cache else ")")
     formula += " held by the loop's `outputs` until the next forward replaces them (counted with the step only)"
-    return MemoryItem.of("loop_outputs", "Outputs kept through the step",
-                         (acts.retained_output_bytes + acts.kept_output_bytes) * scale, formula)
+    return MemoryItem.of("loop_outputs", "Outputs kept through the step", (acts.retained_output_bytes + cache) * scale, formula)
 
 
 def _deepspeed_cpu(profile: ModelProfile, stage: int, offload: str, per_machine: int, n: int, m: int) -> list[MemoryItem]:
@@ -319,8 +319,10 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
         formula = (f"traced for {acts.input_description}, checkpointed: outside the blocks + {len(acts.per_layer_bytes)} "
                    "block inputs + one block recomputed + outputs")
     else:
-        kept = acts.saved_bytes + acts.retained_output_bytes
+        kept = acts.saved_bytes + acts.retained_output_bytes + acts.cache_unsaved_bytes
         formula = f"traced for {acts.input_description}: tensors saved for backward + outputs"
+        if acts.cache_unsaved_bytes:
+            formula += f" + KV cache entries not saved for backward ({human_bytes(acts.cache_unsaved_bytes)})"
         if options.gradient_checkpointing:
             notes.append("Gradient checkpointing is not modelled for this model (no checkpointable blocks found); "
                          "activations are counted in full.")
