@@ -141,3 +141,23 @@ def test_python_api_estimates_without_importing_prefect(zoo):
         "assert 'prefect' not in sys.modules, 'prefect was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_attn_implementation_flag_changes_what_is_modelled_and_says_so(run_cli, zoo):
+    args = (zoo["tiny-gpt2"], "--json", "--seq_len", "64", "--batch_size", "4")
+    _, default_out, _ = run_cli(*args)
+    _, eager_out, _ = run_cli(*args, "--attn_implementation", "eager")
+    default = json.loads(default_out)["estimate"]["breakdown"]
+    eager = json.loads(eager_out)["estimate"]["breakdown"]
+    assert default["attention"] == "sdpa (CUDA kernel: efficient)"  # fp32, no mask, equal heads
+    assert eager["attention"] == "eager"
+    acts = {b["attention"]: next(i["bytes"] for i in b["device_items"] if i["key"] == "activations") for b in (default, eager)}
+    assert acts["eager"] > acts["sdpa (CUDA kernel: efficient)"]  # eager keeps its seq x seq probabilities
+    _, text, _ = run_cli(zoo["tiny-gpt2"], "--seq_len", "64", "--attn_implementation", "flash_attention_2")
+    assert "Attention: flash_attention_2" in text
+
+
+def test_an_unknown_attn_implementation_is_refused_by_the_parser():
+    with pytest.raises(SystemExit) as exit_info:
+        parse("m", "--attn_implementation", "flex")
+    assert exit_info.value.code == 2
