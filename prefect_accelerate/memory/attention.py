@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -121,43 +122,53 @@ class KernelLog:
             self.kernels.append(kernel)
 
 
+#: One trace patches torch at a time; other threads keep torch's own functions meanwhile.
+_PATCH_LOCK = threading.Lock()
+_TRACING = threading.local()
+
+
 @contextlib.contextmanager
 def cuda_kernels(force_flash: bool = False) -> Iterator[KernelLog]:
-    """Run SDPA and dropout as CUDA would (see the module docstring) while the trace runs."""
+    """Run SDPA and dropout as CUDA would (see the module docstring) while the trace runs in this thread."""
     import torch
     import torch.nn.functional as F  # noqa: N812
 
     log = KernelLog(force_flash)
-    original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
+    with _PATCH_LOCK:
+        original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
 
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001, ANN202
-        if torch.is_autocast_enabled("cpu"):  # CUDA autocast runs SDPA in the lower precision
-            low = torch.get_autocast_dtype("cpu")
-            query, key, value = (t.to(low) if t.is_floating_point() else t for t in (query, key, value))
-            if attn_mask is not None and attn_mask.is_floating_point():
-                attn_mask = attn_mask.to(low)
-        kernel = cuda_sdpa_kernel(query, key, attn_mask, enable_gqa, log.force_flash)
-        log.note(kernel)
-        if kernel == "math":
-            with torch.autocast("cpu", enabled=False):
-                return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        length = query.shape[-2]
-        if kernel == "efficient":
-            length = -(-length // MEM_EFFICIENT_LSE_ALIGN) * MEM_EFFICIENT_LSE_ALIGN
-        return _FusedAttention.get().apply(query, key, value, attn_mask, length)
+        def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001, ANN202
+            active = getattr(_TRACING, "log", None)
+            if active is None:  # another thread, not tracing: torch's own
+                return original_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                     scale=scale, enable_gqa=enable_gqa)
+            if torch.is_autocast_enabled("cpu"):  # CUDA autocast runs SDPA in the lower precision
+                low = torch.get_autocast_dtype("cpu")
+                query, key, value = (t.to(low) if t.is_floating_point() else t for t in (query, key, value))
+                if attn_mask is not None and attn_mask.is_floating_point():
+                    attn_mask = attn_mask.to(low)
+            kernel = cuda_sdpa_kernel(query, key, attn_mask, enable_gqa, active.force_flash)
+            active.note(kernel)
+            if kernel == "math":
+                with torch.autocast("cpu", enabled=False):
+                    return _math_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+            length = query.shape[-2]
+            if kernel == "efficient":
+                length = -(-length // MEM_EFFICIENT_LSE_ALIGN) * MEM_EFFICIENT_LSE_ALIGN
+            return _FusedAttention.get().apply(query, key, value, attn_mask, length)
 
-    def dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002, ANN001, ANN202
-        if not training or p == 0:
-            return input
-        if p == 1:
-            return original_dropout(input, p, training, inplace)
-        return torch.native_dropout(input, p, True)[0]
+        def dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002, ANN001, ANN202
+            if getattr(_TRACING, "log", None) is None or not training or p in (0, 1):
+                return original_dropout(input, p, training, inplace)
+            return torch.native_dropout(input, p, True)[0]
 
-    F.scaled_dot_product_attention, F.dropout = sdpa, dropout
-    try:
-        yield log
-    finally:
-        F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout
+        F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+        _TRACING.log = log
+        try:
+            yield log
+        finally:
+            _TRACING.log = None
+            F.scaled_dot_product_attention, F.dropout = original_sdpa, original_dropout
 
 
 def requested_attention(config: Any, override: str | None) -> str | None:

@@ -66,3 +66,11 @@ def test_the_trace_records_the_kernel_and_the_implementation(zoo):
     assert acts.attention_implementation == "sdpa" and acts.attention_kernels == ["math"]
     cpu = _acts(zoo["tiny-llama"], seq_len=32, device_type="cpu")
     assert cpu.attention_kernels == []
+
+
+def test_torch_is_left_as_it_was_after_a_trace(zoo):
+    import torch.nn.functional as F  # noqa: N812
+
+    before = (F.scaled_dot_product_attention, F.dropout)
+    _acts(zoo["tiny-gpt2"], seq_len=16)
+    assert (F.scaled_dot_product_attention, F.dropout) == before
