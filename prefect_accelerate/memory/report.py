@@ -63,7 +63,7 @@ def render_verdict(v: FitVerdict) -> str:
     if v.reserve_explained:
         lines.append(f"Beyond the allocated peak: {v.reserve_explained}.")
     if not v.fits and len(v.suggestions) > 1:
-        lines.append("Other changes that fit:")
+        lines.append("Other changes that buy room:")
         lines.extend(f"  {s.change}  ->  {s.device_total} per device" for s in v.suggestions[1:])
     return "\n".join(lines)
 
