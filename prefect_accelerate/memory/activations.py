@@ -5,8 +5,9 @@ and real usage (reference prefect-and-peers §10.21). A formula per architecture
 architecture it was not written for, so we run the real forward of the model that will be trained, with
 a real loss, on fake tensors (PyTorch's FakeTensorMode: shapes and dtypes, no data, no allocation), and
 add up every tensor autograd saves for backward (`saved_tensors_hooks`). That is the memory backward
-needs, for this model's own code and the attention kernel CPU picks (SDPA's fused path, which, as on
-GPUs, does not keep the seq x seq attention matrix).
+needs, for this model's own code; attention and dropout run as a CUDA device runs them (the kernel its
+SDPA dispatcher would pick, the fused 1-byte dropout mask: memory/attention.py), or as CPU runs them
+with ``device_type="cpu"``.
 
 Fake CPU tensors rather than meta tensors: meta tensors take SDPA's math path and ignore autocast.
 
