@@ -13,6 +13,7 @@ import json
 from prefect_accelerate.cli.parser import given
 from prefect_accelerate.cli.tracking import add_tracking_flags, should_track
 from prefect_accelerate.memory.choices import (
+    ATTN_IMPLEMENTATIONS,
     DEFAULT_DTYPES,
     DEFAULT_RESERVE_FRACTION,
     DTYPES,
@@ -25,7 +26,7 @@ from prefect_accelerate.memory.choices import (
 
 #: Flags that ask for the per-device breakdown (the strategy then defaults to ddp).
 _LAYOUT_DESTS = ("strategy", "num_processes", "num_machines", "offload", "optimizer", "mixed_precision",
-                 "gradient_checkpointing", "batch_size", "seq_len", "model_class", "device_memory")
+                 "gradient_checkpointing", "batch_size", "seq_len", "model_class", "device_memory", "attn_implementation")
 
 #: Exit status when the verdict says the run does not fit (errors exit 2, as everywhere in the CLI).
 NOT_FIT_EXIT_CODE = 1
@@ -39,7 +40,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Accelerate's `estimate-memory` table (same numbers), from a local folder, the Hugging Face cache, the Hub "
             "or a timm name, without weights. Any layout flag (--strategy, --num_processes, --mixed_precision, "
             "--batch_size, --device_memory...) adds the per-device breakdown for training the model class with its "
-            "head; --device_memory adds a fit verdict (exit status 1 when it does not fit)."
+            "head; --device_memory adds a fit verdict (exit status 1 when it does not fit or is at risk)."
         ),
     )
     p.add_argument("model_name", help="A folder holding config.json, a Hub repo id (the local cache first), or a timm architecture name.")
@@ -62,11 +63,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     layout.add_argument("--batch_size", type=int, default=1, help="Samples per device per step (default: 1).")
     layout.add_argument("--seq_len", type=int, default=None,
                         help="Tokens per sample (default: the model's maximum, capped at 2048).")
+    layout.add_argument("--attn_implementation", choices=ATTN_IMPLEMENTATIONS, default=None,
+                        help="Attention to model for transformers models (default: the config's setting, else transformers' "
+                             "pick: sdpa where the model supports it, else eager).")
     fit = p.add_argument_group("Fit verdict")
     fit.add_argument("--device_memory", default=None,
                      help="Memory of one device, e.g. 80GiB or 80GB, or `auto` for the smallest CUDA device here.")
     fit.add_argument("--reserve", type=float, default=DEFAULT_RESERVE_FRACTION,
-                     help=f"Share of device memory kept back for the CUDA context and fragmentation (default: {DEFAULT_RESERVE_FRACTION}).")
+                     help=("Extra share of device memory to keep back, on top of the modelled CUDA context and allocator "
+                           f"fragmentation (default: {DEFAULT_RESERVE_FRACTION})."))
     p.add_argument("--json", action="store_true", default=False, help="Print the estimate (and verdict) as JSON.")
     add_tracking_flags(p, tracked_by_default=False)
     p.set_defaults(func=run)
@@ -96,6 +101,7 @@ def options_from_args(args: argparse.Namespace):  # noqa: ANN201 - EstimateOptio
         gradient_checkpointing=args.gradient_checkpointing,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
+        attn_implementation=args.attn_implementation,
     )
 
 

@@ -5,8 +5,9 @@ and real usage (reference prefect-and-peers §10.21). A formula per architecture
 architecture it was not written for, so we run the real forward of the model that will be trained, with
 a real loss, on fake tensors (PyTorch's FakeTensorMode: shapes and dtypes, no data, no allocation), and
 add up every tensor autograd saves for backward (`saved_tensors_hooks`). That is the memory backward
-needs, for this model's own code and the attention kernel CPU picks (SDPA's fused path, which, as on
-GPUs, does not keep the seq x seq attention matrix).
+needs, for this model's own code; attention and dropout run as a CUDA device runs them (the kernel its
+SDPA dispatcher would pick, the fused 1-byte dropout mask: memory/attention.py), or as CPU runs them
+with ``device_type="cpu"``.
 
 Fake CPU tensors rather than meta tensors: meta tensors take SDPA's math path and ignore autocast.
 
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prefect_accelerate.errors import EstimateError
+from prefect_accelerate.memory.attention import cuda_kernels
 from prefect_accelerate.memory.models import ActivationProfile
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -86,6 +88,8 @@ def trace_activations(
     seq_len: int | None,
     precision_mode: str,
     full_depth: int | None = None,
+    force_flash: bool = False,
+    device_type: str = "cuda",
 ) -> ActivationProfile:
     """Run one forward pass of a fake-tensor model and measure what backward will need.
 
@@ -99,6 +103,10 @@ def trace_activations(
             DDP with Accelerate's mixed precision); ``bf16``/``fp16`` (16-bit weights, as DeepSpeed);
             ``bf16+autocast``/``fp16+autocast`` (16-bit weights under autocast, as FSDP).
         full_depth: when ``model`` is a shallow copy, the real number of blocks to extrapolate to.
+        force_flash: every SDPA call runs as flash attention (``--attn_implementation flash_attention_2``,
+            which keeps what SDPA's flash kernel keeps).
+        device_type: ``cuda`` stands in CUDA's attention and dropout kernels (memory/attention.py);
+            ``cpu`` keeps CPU's own, for comparisons with real training on CPU.
 
     Returns:
         An ActivationProfile; ``method="not estimated"`` with a note when the inputs are not supported
@@ -150,15 +158,20 @@ def trace_activations(
     handles += [layer.register_forward_hook(recorder.leave_layer) for layer in layers]
     mode = _fake_mode_of(model)
     watch = _param_casts(recorder, params) if autocast_dtype is not None else contextlib.nullcontext()
+    kernels = cuda_kernels(force_flash) if device_type == "cuda" else contextlib.nullcontext(None)
+    cache: list[Any] = []
     try:
-        with mode, watch, _moe_without_grouped_mm(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
+        with mode, watch, _moe_without_grouped_mm(), kernels as kernel_log, \
+                torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
             with _autocast(autocast_dtype):
                 if library == "timm":
                     result = model(torch.zeros((batch_size, *size), dtype=_float_dtype(model)))
                     loss = torch.nn.functional.cross_entropy(result.float(), torch.zeros(batch_size, dtype=torch.long))
                     outputs = [result, loss]
                 else:
-                    outputs = list(_tensors_in(model(**_transformers_inputs(model, batch_size, used_seq))))
+                    result = model(**_transformers_inputs(model, batch_size, used_seq))
+                    outputs = list(_tensors_in(result))
+                    cache = list(_cache_tensors(result))
     except EstimateError:
         raise
     except Exception as error:  # data-dependent control flow, unsupported ops, custom code
@@ -173,6 +186,14 @@ def trace_activations(
         for handle in handles:
             handle.remove()
 
+    # a KV cache the output holds: its tensors are mostly the keys/values attention saved anyway; any it
+    # holds besides those (transformers may cache keys in another dtype) are alive from forward on
+    cache_all, cache_unsaved = 0, 0
+    for tensor in {id(t): t for t in cache}.values():
+        base = tensor._base if tensor._base is not None else tensor
+        cache_all += _nbytes(base)
+        if id(base) not in recorder.seen:
+            cache_unsaved += _nbytes(base)
     retained = 0
     for tensor in outputs:
         base = tensor._base if tensor._base is not None else tensor
@@ -192,6 +213,7 @@ def trace_activations(
         inputs += [inputs[-1]] * extra
         casts += [casts[-1]] * extra
         note = f"Traced {count} of {full_depth} identical blocks; the rest counted like the last one."
+        cache_all, cache_unsaved = (cache_all * full_depth // count, cache_unsaved * full_depth // count)  # one entry per block
     cast_total = recorder.cast_outside + sum(casts)
     return ActivationProfile(
         method="traced", batch_size=batch_size, seq_len=used_seq, input_description=description,
@@ -203,6 +225,11 @@ def trace_activations(
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
         autocast_weight_copy_bytes=cast_total,
+        cache_bytes=cache_all,
+        cache_unsaved_bytes=cache_unsaved,
+        attention_implementation=(getattr(config, "_attn_implementation", None) if library == "transformers"
+                                  else "sdpa" if kernel_log is not None and kernel_log.kernels else None),
+        attention_kernels=list(kernel_log.kernels) if kernel_log is not None else [],
         note=note,
     )
 
@@ -269,6 +296,25 @@ class _SavedTensorRecorder:
     def leave_layer(self, module: Any, args: tuple, output: Any) -> None:
         if self.layer_index.get(id(module)) == self.current:
             self.current = None
+
+
+def _cache_tensors(output: Any) -> Iterator[Any]:
+    """Key/value tensors of a cache the model returns (transformers' DynamicCache keeps them per layer)."""
+    if not isinstance(output, dict):
+        return
+    cache = output.get("cache")  # transformers 5.x; `past_key_values` before
+    if cache is None:
+        cache = output.get("past_key_values")
+    if cache is None:
+        return
+    if isinstance(cache, (list, tuple)):  # the legacy tuple-of-tuples form
+        yield from _tensors_in(cache)
+        return
+    for layer in getattr(cache, "layers", None) or []:
+        for name in ("keys", "values"):
+            value = getattr(layer, name, None)
+            if value is not None and hasattr(value, "numel"):
+                yield value
 
 
 def _unpack(tensor: Any) -> Any:

@@ -209,10 +209,12 @@ def trained_class(config: Any, model_class: str | None, source: ModelSource) -> 
 
 
 def build_trained_model(source: ModelSource, trust_remote_code: bool, model_class: str | None,
-                        dtype: str = "float32", config: Any = None) -> tuple[Any, str]:
+                        dtype: str = "float32", config: Any = None, attn_implementation: str | None = None) -> tuple[Any, str]:
     """The trained class on the meta device, ties intact, weights in ``dtype``; returns (model, class name).
 
-    ``config`` replaces the loaded transformers config (the activation trace builds a shallower copy).
+    ``config`` replaces the loaded transformers config (the activation trace builds a shallower copy);
+    ``attn_implementation`` (transformers only) asks for ``eager`` or ``sdpa`` attention, None lets
+    the config, then transformers, choose.
     """
     import torch
 
@@ -222,10 +224,13 @@ def build_trained_model(source: ModelSource, trust_remote_code: bool, model_clas
         return model, type(model).__name__
     config = config if config is not None else load_transformers_config(source, trust_remote_code)
     constructor, name, is_auto = trained_class(config, model_class, source)
+    kwargs = _dtype_kwargs(dtype)
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
     if is_auto:
-        make = lambda: constructor.from_config(config, trust_remote_code=trust_remote_code, **_dtype_kwargs(dtype))  # noqa: E731
+        make = lambda: constructor.from_config(config, trust_remote_code=trust_remote_code, **kwargs)  # noqa: E731
     else:
-        make = lambda: constructor._from_config(config, **_dtype_kwargs(dtype))  # noqa: E731
+        make = lambda: constructor._from_config(config, **kwargs)  # noqa: E731
     model = _construct(source, make, torch.device("meta"), name)
     return model, type(model).__name__
 

@@ -29,7 +29,10 @@ FSDP_STRATEGIES: tuple[str, ...] = ("fsdp_full_shard", "fsdp_shard_grad_op", "fs
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "optimizer+params")
 OPTIMIZERS: tuple[str, ...] = ("adamw", "adam", "sgd", "adafactor", "adamw_8bit")
 MIXED_PRECISIONS: tuple[str, ...] = ("no", "fp16", "bf16")
+#: transformers' attention implementations `--attn_implementation` can model (memory/attention.py).
+ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
 
-#: Share of device memory kept back in a fit verdict for the CUDA context, allocator fragmentation
-#: and communication buffers nobody accounts for (see docs/memory.md, "Fit verdict").
-DEFAULT_RESERVE_FRACTION = 0.10
+#: Extra share of device memory a user may keep back in a fit verdict (`--reserve`), on top of what the
+#: CUDA allocator model adds (memory/fit.py, docs/memory.md "Fit verdict"). None by default: the
+#: allocator's needs are modelled, not guessed as a flat share.
+DEFAULT_RESERVE_FRACTION = 0.0

@@ -60,7 +60,15 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
     from prefect_accelerate.memory.sizing import model_profile
     from prefect_accelerate.memory.strategies import precision_mode
 
-    model, class_name = build_trained_model(source, options.trust_remote_code, options.model_class)
+    attention = None
+    if source.library == "transformers":
+        # the flag, else the config's own setting; None lets transformers pick (sdpa where the class supports it)
+        raw = source.config or {}
+        attention = options.attn_implementation or raw.get("attn_implementation") or raw.get("_attn_implementation")
+    force_flash = attention == "flash_attention_2"
+    build_attention = "sdpa" if force_flash else attention  # FA2 keeps what SDPA's flash kernel keeps
+    model, class_name = build_trained_model(source, options.trust_remote_code, options.model_class,
+                                            attn_implementation=build_attention)
     profile = model_profile(model, class_name)
     if not options.activations:
         return profile
@@ -70,10 +78,15 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
     shallow = shallow_config(model.config) if source.library == "transformers" else None
     if shallow is not None:
         config, depth = shallow
-        model, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config)
+        model, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config,
+                                       attn_implementation=build_attention)
     elif dtype != "float32":
         config = model.config if source.library == "transformers" else None
-        model, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config)
+        model, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config,
+                                       attn_implementation=build_attention)
     activations = trace_activations(to_fake(model), library=source.library, batch_size=options.batch_size,
-                                    seq_len=options.seq_len, precision_mode=mode, full_depth=depth)
+                                    seq_len=options.seq_len, precision_mode=mode, full_depth=depth, force_flash=force_flash,
+                                    device_type=options.device_type)
+    if force_flash:
+        activations = activations.model_copy(update={"attention_implementation": "flash_attention_2"})
     return profile.model_copy(update={"activations": activations})

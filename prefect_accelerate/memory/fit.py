@@ -1,7 +1,10 @@
 """Will it fit? A verdict with headroom, and the smallest change that makes it fit when it does not.
 
-The verdict compares the per-device total with the device's memory less a reserve (10% by default)
-for what no estimate sees: the CUDA context, allocator fragmentation and communication buffers.
+The estimate's per-device total is the peak of live tensors (what `torch.cuda.max_memory_allocated`
+reports). A CUDA device needs more: the context and library workspaces outside PyTorch's allocator,
+and what the caching allocator holds beyond live tensors (rounding, fragmentation). The verdict adds
+both (`allocator_overhead`) and compares the sum with the device: "fits", "at risk" (less than 5% of
+the device left) or "does not fit".
 Suggestions are computed, not guessed: each candidate change is a new `EstimateOptions` run through
 the same arithmetic (`device_breakdown`) over the profile already measured, so no model is rebuilt.
 """
@@ -18,6 +21,17 @@ from prefect_accelerate.memory.units import human_bytes, parse_memory_size
 
 MAX_PROCESSES_PER_MACHINE = 16
 MAX_SUGGESTIONS = 5
+#: A run leaving less than this share of the device free is "at risk", not "fits".
+AT_RISK_FRACTION = 0.05
+#: Device memory outside PyTorch's caching allocator: CUDA context, loaded kernels, cuBLAS/cuDNN handles.
+#: On the H200 of issue #16 (torch 2.11, CUDA 13): 139.80 GiB total, 138.93 GiB reserved by PyTorch at
+#: the out-of-memory error, so 0.87 GiB outside it; rounded up for the handles a multi-GPU run adds.
+CUDA_CONTEXT_BYTES = 1 << 30
+#: What the caching allocator reserves beyond live tensors, as a share of the allocated peak: blocks
+#: rounded up, and freed blocks that stay split inside their segments (it never merges segments; it
+#: releases only wholly free ones before reporting out-of-memory). Measured once: 9.60 GiB reserved but
+#: unallocated at 129.33 GiB allocated when the Llama-2-7B-shaped run failed (7.4%).
+ALLOCATOR_FRAGMENTATION = 0.075
 
 
 def detect_device_memory() -> tuple[int, str]:
@@ -41,19 +55,35 @@ def detect_device_memory() -> tuple[int, str]:
     return int(smallest.total_memory), f"detected: {len(props)} x {', '.join(names)} ({human_bytes(smallest.total_memory)} each)"
 
 
+def allocator_overhead(allocated_peak: int) -> tuple[int, str]:
+    """What a CUDA device needs beyond the allocated peak, and the explanation printed with the verdict.
+
+    Two terms (docs/memory.md, "Fit verdict"): memory outside PyTorch's allocator (the CUDA context,
+    kernel images, cuBLAS/cuDNN handles), a constant; and what the caching allocator holds beyond live
+    tensors (sizes rounded to 512 B, 2 MiB segments for requests under 1 MiB, 20 MiB for 1-10 MiB, and
+    freed blocks that stay split inside their segments: fragmentation), a share of the peak.
+    """
+    fragmentation = int(allocated_peak * ALLOCATOR_FRAGMENTATION)
+    text = (f"CUDA context and library workspaces {human_bytes(CUDA_CONTEXT_BYTES)} + caching-allocator rounding and "
+            f"fragmentation {ALLOCATOR_FRAGMENTATION:.1%} of the {human_bytes(allocated_peak)} allocated peak "
+            f"({human_bytes(fragmentation)})")
+    return CUDA_CONTEXT_BYTES + fragmentation, text
+
+
 def check_fit(estimate: MemoryEstimate, device_memory: str | int | None = None,
               reserve_fraction: float = DEFAULT_RESERVE_FRACTION) -> FitVerdict:
-    """Compare an estimate's per-device total with one device's memory.
+    """Compare what the CUDA allocator will need for an estimate with one device's memory.
 
     Args:
         estimate: a MemoryEstimate with a breakdown (made with a strategy).
         device_memory: ``"80GiB"``, ``"80GB"``, bytes, or None to use the smallest CUDA device here.
-        reserve_fraction: share of the device kept back for the CUDA context, fragmentation and
-            communication buffers.
+        reserve_fraction: an extra share of the device to keep back, on top of the modelled CUDA context
+            and allocator overhead (0 by default).
 
     Returns:
-        A FitVerdict; when the run does not fit, ``suggestions`` lists changes that make it fit, the
-        smallest change first.
+        A FitVerdict: ``status`` "fits" (``fits`` True), "at risk" (it needs less than the device but
+        leaves under 5% of it free) or "does not fit"; unless it fits, ``suggestions`` lists changes that
+        bring it under the at-risk line, the smallest change first.
 
     Raises:
         EstimateError: no breakdown to compare, or no device memory given and none detected.
@@ -71,28 +101,41 @@ def check_fit(estimate: MemoryEstimate, device_memory: str | int | None = None,
         memory, where = parse_memory_size(device_memory), "given"
     usable = int(memory * (1 - reserve_fraction))
     breakdown = estimate.breakdown
-    required = breakdown.device_total_bytes
+    allocated = breakdown.device_total_bytes
+    overhead, explained = allocator_overhead(allocated)
+    required = allocated + overhead
     headroom = usable - required
-    fits = headroom >= 0
+    safe_line = int(memory * AT_RISK_FRACTION)
+    status = "does not fit" if headroom < 0 else "at risk" if headroom < safe_line else "fits"
     counted = ", ".join(f"{item.label.lower()} {item.human}" for item in breakdown.device_items if item.bytes)
-    suggestions = [] if fits else suggest(estimate.profile, estimate.options, usable)
+    # the largest allocated peak that stays clear of the at-risk line, for the changes we try
+    target = int((usable - safe_line - CUDA_CONTEXT_BYTES) / (1 + ALLOCATOR_FRAGMENTATION))
+    suggestions = [] if status == "fits" else suggest(estimate.profile, estimate.options, target)
     layout = _describe_layout(estimate.options)
-    if fits:
-        message = (f"Fits: {breakdown.device_total} per device for {layout}, on {human_bytes(memory)} devices "
-                   f"({human_bytes(usable)} usable after a {reserve_fraction:.0%} reserve), headroom {human_bytes(headroom)}.")
+    kept = f" ({reserve_fraction:.0%} of it kept back)" if reserve_fraction else ""
+    need = (f"{human_bytes(required)} per device for {layout}: {breakdown.device_total} allocated at the peak + "
+            f"{human_bytes(overhead)} for the allocator")
+    if status == "fits":
+        message = f"Fits: {need}, on {human_bytes(memory)} devices{kept}, headroom {human_bytes(headroom)}."
+    elif status == "at risk":
+        message = (f"At risk: {need}, on {human_bytes(memory)} devices{kept}: only {human_bytes(headroom)} "
+                   f"({headroom / memory:.1%}) would stay free, under the {AT_RISK_FRACTION:.0%} margin that an "
+                   "estimate's error and the allocator's variation need.")
     else:
-        message = (f"Does not fit: {breakdown.device_total} per device for {layout}, but only {human_bytes(usable)} of "
-                   f"{human_bytes(memory)} is usable after a {reserve_fraction:.0%} reserve ({human_bytes(-headroom)} short).")
+        message = (f"Does not fit: {need}, but the devices have {human_bytes(usable)}{kept} "
+                   f"({human_bytes(-headroom)} short).")
+    if status != "fits":
         if suggestions:
-            message += f" Smallest change that fits: {suggestions[0].change} ({suggestions[0].device_total} per device)."
+            message += f" Smallest change that buys room: {suggestions[0].change} ({suggestions[0].device_total} allocated per device)."
         else:
             message += (" None of the changes we try (checkpointing, a smaller batch, ZeRO/FSDP stages, offload, another "
-                        "optimizer, more processes or machines, and pairs of these) fits.")
+                        "optimizer, more processes or machines, and pairs of these) buys enough room.")
     return FitVerdict(
-        fits=fits, device_memory_bytes=memory, device_memory=human_bytes(memory), device_source=where,
-        reserve_fraction=reserve_fraction, usable_bytes=usable, required_bytes=required, required=breakdown.device_total,
+        fits=status == "fits", device_memory_bytes=memory, device_memory=human_bytes(memory), device_source=where,
+        reserve_fraction=reserve_fraction, usable_bytes=usable, required_bytes=required, required=human_bytes(required),
         headroom_bytes=headroom, headroom=human_bytes(headroom), headroom_fraction=headroom / memory,
-        counted=counted, suggestions=suggestions, message=message,
+        counted=counted, suggestions=suggestions, message=message, status=status, allocated_peak_bytes=allocated,
+        allocator_overhead_bytes=overhead, reserve_explained=explained,
     )
 
 

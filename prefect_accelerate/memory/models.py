@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from prefect_accelerate.memory.choices import (
+    ATTN_IMPLEMENTATIONS,
     DEFAULT_DTYPES,
     DTYPES,
     LIBRARIES,
@@ -27,6 +28,7 @@ Strategy = Literal[STRATEGIES]  # type: ignore[valid-type]
 Offload = Literal[OFFLOADS]  # type: ignore[valid-type]
 Optimizer = Literal[OPTIMIZERS]  # type: ignore[valid-type]
 MixedPrecision = Literal[MIXED_PRECISIONS]  # type: ignore[valid-type]
+AttnImplementation = Literal[ATTN_IMPLEMENTATIONS]  # type: ignore[valid-type]
 SourceKind = Literal["local", "hf-cache", "hub", "timm"]
 
 
@@ -55,6 +57,10 @@ class EstimateOptions(_Frozen):
     batch_size: int = Field(1, ge=1)
     seq_len: int | None = Field(None, ge=1)
     activations: bool = True
+    attn_implementation: AttnImplementation | None = Field(
+        None, description="transformers attention to model: eager, sdpa or flash_attention_2 (None: the config's, else transformers' pick)")
+    device_type: Literal["cuda", "cpu"] = Field(
+        "cuda", description="where training runs: CUDA's attention and dropout kernels, or CPU's own (for checks on CPU)")
 
 
 class ModelSource(_Frozen):
@@ -125,6 +131,10 @@ class ActivationProfile(_Frozen):
     retained_output_bytes: int = 0
     largest_tensor_bytes: int = 0
     autocast_weight_copy_bytes: int = 0
+    cache_bytes: int = Field(0, description="a KV cache the model's output holds (transformers' DynamicCache); the loop keeps it through the step")
+    cache_unsaved_bytes: int = Field(0, description="the part of that cache that is not also saved for backward (alive from forward on)")
+    attention_implementation: str | None = Field(None, description="transformers' attention implementation the trace ran")
+    attention_kernels: list[str] = Field(default_factory=list, description="CUDA SDPA kernels stood in for: flash, efficient, math")
     note: str = ""
 
 
@@ -177,7 +187,8 @@ class DeviceBreakdown(_Frozen):
     trained_class: str
     parameters: int
     device_items: list[MemoryItem]
-    device_total_bytes: int = Field(description="peak: resident items + max(activations + backward temporaries, gradients + step temporaries)")
+    device_total_bytes: int = Field(description="peak of live tensors: resident items + max(activations + backward temporaries, "
+                                                "gradients + step temporaries + outputs kept through the step)")
     device_total: str
     all_items_bytes: int = Field(description="every item added up: an upper bound on the peak")
     model_states_bytes: int = Field(description="parameters + gradients + optimizer states + gathered layers on one device")
@@ -185,6 +196,7 @@ class DeviceBreakdown(_Frozen):
     cpu_per_machine_bytes: int
     cpu_per_machine: str
     activations_method: str
+    attention: str = Field("", description="the attention modelled, e.g. 'sdpa (CUDA kernel: flash)'")
     notes: list[str] = Field(default_factory=list)
 
     def item(self, key: str) -> MemoryItem | None:
@@ -212,7 +224,11 @@ class Suggestion(_Frozen):
 
 
 class FitVerdict(_Frozen):
-    """Whether one device holds the run, with headroom, and the smallest change that would make it fit."""
+    """Whether one device holds the run, with headroom, and the smallest change that would make it fit.
+
+    ``fits`` is True only with a safe margin (``status == "fits"``); ``required_bytes`` is what the CUDA
+    allocator will need: the allocated peak plus ``allocator_overhead_bytes``.
+    """
 
     fits: bool
     device_memory_bytes: int
@@ -228,6 +244,10 @@ class FitVerdict(_Frozen):
     counted: str
     suggestions: list[Suggestion] = Field(default_factory=list)
     message: str
+    status: Literal["fits", "at risk", "does not fit"] = "fits"
+    allocated_peak_bytes: int = Field(0, description="the estimate's peak of live tensors (torch.cuda.max_memory_allocated)")
+    allocator_overhead_bytes: int = Field(0, description="CUDA context and workspaces + caching-allocator rounding and fragmentation")
+    reserve_explained: str = ""
 
     @property
     def best(self) -> Suggestion | None:

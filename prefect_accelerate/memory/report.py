@@ -41,11 +41,14 @@ def render_breakdown(b: DeviceBreakdown, estimate: MemoryEstimate | None = None)
     if estimate is not None and estimate.table.measured_class != b.trained_class:
         head += f"; the table above measured `{estimate.table.measured_class}`, as Accelerate does"
     lines = [head, f"Layout: {layout_line(b)}"]
+    if b.attention:
+        lines.append(f"Attention: {b.attention} (as a CUDA device runs it; --attn_implementation changes it)")
     width = max(len(item.label) for item in [*b.device_items, *b.cpu_items])
     for item in b.device_items:
         lines.append(f"  {item.label:<{width}}  {item.human:>11}  {item.formula}")
     lines.append(f"  {'Total per device':<{width}}  {b.device_total:>11}  peak: parameters + optimizer states + gathered layers + "
-                 "communication buffers + max(activations + backward temporaries, gradients + optimizer step temporaries)")
+                 "communication buffers + max(activations + backward temporaries, gradients + optimizer step temporaries + "
+                 "outputs kept through the step); live tensors, as torch.cuda.max_memory_allocated counts them")
     lines.append(f"  {'All items added up':<{width}}  {human_bytes(b.all_items_bytes):>11}  an upper bound")
     lines.append(f"CPU memory per machine: {b.cpu_per_machine}")
     for item in b.cpu_items:
@@ -57,8 +60,10 @@ def render_breakdown(b: DeviceBreakdown, estimate: MemoryEstimate | None = None)
 
 def render_verdict(v: FitVerdict) -> str:
     lines = [v.message, f"Device memory: {v.device_memory} ({v.device_source}); counted: {v.counted}."]
+    if v.reserve_explained:
+        lines.append(f"Beyond the allocated peak: {v.reserve_explained}.")
     if not v.fits and len(v.suggestions) > 1:
-        lines.append("Other changes that fit:")
+        lines.append("Other changes that buy room:")
         lines.extend(f"  {s.change}  ->  {s.device_total} per device" for s in v.suggestions[1:])
     return "\n".join(lines)
 

@@ -238,11 +238,12 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     device.append(activation_item)
     device.append(MemoryItem.of("backward_temporaries", "Backward temporaries", backward, backward_formula))
     device.extend([layout.step, layout.communication])
+    device.append(_loop_outputs(profile.activations, options))
 
     by_key = {item.key: item.bytes for item in device}
     resident = sum(by_key.get(k, 0) for k in ("parameters", "optimizer_states", "gathered_layers", "communication_buffers"))
     forward_backward = by_key["activations"] + by_key["backward_temporaries"]
-    step = by_key["gradients"] + by_key["step_temporaries"]
+    step = by_key["gradients"] + by_key["step_temporaries"] + by_key["loop_outputs"]
     total = resident + max(forward_backward, step)
     states = sum(by_key.get(k, 0) for k in ("parameters", "gradients", "optimizer_states", "gathered_layers"))
     cpu_total = sum(item.bytes for item in cpu)
@@ -256,11 +257,35 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
         seq_len=profile.activations.seq_len if profile.activations else options.seq_len,
         trained_class=profile.trained_class, parameters=profile.parameters,
         device_items=device, device_total_bytes=total, device_total=human_bytes(total),
-        all_items_bytes=sum(by_key.values()),
+        all_items_bytes=sum(by_key.values()) - by_key["loop_outputs"],  # already inside the activations
         model_states_bytes=states,
         cpu_items=cpu, cpu_per_machine_bytes=cpu_total, cpu_per_machine=human_bytes(cpu_total),
-        activations_method=method, notes=notes,
+        activations_method=method, attention=_attention_label(profile.activations), notes=notes,
     )
+
+
+def _attention_label(acts: ActivationProfile | None) -> str:
+    """What attention the activations assume, in words: 'sdpa (CUDA kernel: flash)', 'eager'."""
+    if acts is None or acts.method != "traced":
+        return ""
+    label = acts.attention_implementation or ""
+    if acts.attention_kernels and acts.attention_implementation != "flash_attention_2":
+        label += f" (CUDA kernel: {', '.join(acts.attention_kernels)})"
+    elif not acts.attention_kernels and label == "sdpa":
+        label += " (CPU kernels)"
+    return label.strip()
+
+
+def _loop_outputs(acts: ActivationProfile | None, options: EstimateOptions) -> MemoryItem:
+    """The training loop's `outputs` (logits, a KV cache) stay alive through the optimizer step."""
+    if acts is None or acts.method != "traced":
+        return MemoryItem.of("loop_outputs", "Outputs kept through the step", 0, "not estimated")
+    scale = options.batch_size / acts.batch_size
+    # transformers turns the cache off under gradient checkpointing
+    cache = 0 if options.gradient_checkpointing else acts.cache_bytes
+    formula = "the model's outputs (logits" + (", KV cache)" if cache else ")")
+    formula += " held by the loop's `outputs` until the next forward replaces them (counted with the step only)"
+    return MemoryItem.of("loop_outputs", "Outputs kept through the step", (acts.retained_output_bytes + cache) * scale, formula)
 
 
 def _deepspeed_cpu(profile: ModelProfile, stage: int, offload: str, per_machine: int, n: int, m: int) -> list[MemoryItem]:
@@ -294,8 +319,10 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
         formula = (f"traced for {acts.input_description}, checkpointed: outside the blocks + {len(acts.per_layer_bytes)} "
                    "block inputs + one block recomputed + outputs")
     else:
-        kept = acts.saved_bytes + acts.retained_output_bytes
+        kept = acts.saved_bytes + acts.retained_output_bytes + acts.cache_unsaved_bytes
         formula = f"traced for {acts.input_description}: tensors saved for backward + outputs"
+        if acts.cache_unsaved_bytes:
+            formula += f" + KV cache entries not saved for backward ({human_bytes(acts.cache_unsaved_bytes)})"
         if options.gradient_checkpointing:
             notes.append("Gradient checkpointing is not modelled for this model (no checkpointable blocks found); "
                          "activations are counted in full.")

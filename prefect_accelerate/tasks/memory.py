@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 
 from prefect_accelerate._version import __version__
 from prefect_accelerate.errors import PreflightError
+from prefect_accelerate.memory.choices import DEFAULT_RESERVE_FRACTION
 from prefect_accelerate.memory.core import estimate
 from prefect_accelerate.memory.fit import check_fit
 from prefect_accelerate.memory.models import EstimateOptions, FitVerdict, MemoryEstimate
@@ -96,18 +97,19 @@ def estimate_memory(model: str, options: EstimateOptions | None = None) -> Memor
 
 
 @task(name="memory-fit", task_run_name=_run_name("memory-fit"), cache_policy=NO_CACHE)
-def memory_fit(estimate: MemoryEstimate, device_memory: str | int | None = None, reserve_fraction: float = 0.10,
+def memory_fit(estimate: MemoryEstimate, device_memory: str | int | None = None, reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
                raise_on_failure: bool = True) -> FitVerdict:
     """Gate: does the run fit on one device? Fails the task with the verdict when it does not.
 
     Args:
         estimate: from `estimate_memory` with a strategy.
         device_memory: ``"80GiB"``, bytes, or None for the smallest CUDA device on the machine running the task.
-        reserve_fraction: share of the device kept back for the CUDA context and fragmentation.
+        reserve_fraction: an extra share of the device kept back, on top of the modelled CUDA context and
+            allocator fragmentation.
         raise_on_failure: False returns the verdict instead of failing (the CLI's tracked report).
 
     Raises:
-        PreflightError: the run would not fit; the message is the verdict with the smallest change that fits.
+        PreflightError: the run would not fit, or would be at risk (under 5% of the device left); the message is the verdict with the smallest change that fits.
     """
     verdict = check_fit(estimate, device_memory, reserve_fraction)
     create_markdown_artifact(key=FIT_ARTIFACT_KEY, markdown="```\n" + render_verdict(verdict) + "\n```",

@@ -21,7 +21,7 @@ def test_every_kind_of_model_is_traced(zoo, name):
     acts, breakdown = traced(zoo[name], seq_len=32 if name.startswith("tiny") else None)
     assert acts.method == "traced", acts.note
     assert acts.saved_bytes > 0
-    assert breakdown.item("activations").bytes == acts.saved_bytes + acts.retained_output_bytes
+    assert breakdown.item("activations").bytes == acts.saved_bytes + acts.retained_output_bytes + acts.cache_unsaved_bytes
 
 
 def test_shallow_trace_of_identical_blocks_matches_the_full_trace(zoo):
@@ -116,7 +116,7 @@ def test_estimate_is_within_15_percent_of_real_cpu_training(zoo):
                 tracker.reset_mod_stats()
     peak = tracker.get_tracker_snapshot("peak")
     measured = next(iter(peak.values()))["Total"]
-    _, breakdown = traced(zoo["tiny-llama"], seq_len=128, batch_size=4)
+    _, breakdown = traced(zoo["tiny-llama"], seq_len=128, batch_size=4, device_type="cpu")  # CPU's own kernels
     assert 0.85 < breakdown.device_total_bytes / measured < 1.15
 
 

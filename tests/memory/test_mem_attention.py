@@ -1,0 +1,76 @@
+"""The CUDA attention and dropout kernels stood in for during the trace (memory/attention.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefect_accelerate.memory import EstimateOptions, estimate
+from prefect_accelerate.memory.attention import cuda_sdpa_kernel
+
+
+def _qk(dtype: str, heads: int = 8, kv_heads: int = 8, head_dim: int = 64):
+    import torch
+
+    q = torch.empty(1, heads, 4, head_dim, dtype=getattr(torch, dtype), device="meta")
+    k = torch.empty(1, kv_heads, 4, head_dim, dtype=getattr(torch, dtype), device="meta")
+    return q, k
+
+
+@pytest.mark.parametrize(("dtype", "kv_heads", "mask", "gqa", "head_dim", "kernel"), [
+    ("bfloat16", 8, False, False, 64, "flash"),
+    ("float16", 2, False, True, 128, "flash"),       # flash takes grouped keys/values
+    ("bfloat16", 8, True, False, 64, "efficient"),   # a mask rules flash out
+    ("float32", 8, False, False, 64, "efficient"),   # flash has no fp32
+    ("float32", 2, False, True, 64, "math"),         # fp32 + GQA: no fused kernel takes it (Llama fp32)
+    ("bfloat16", 2, True, True, 64, "math"),         # a mask and grouped heads
+    ("bfloat16", 8, False, False, 512, "efficient"),  # head dim past flash's 256
+])
+def test_cuda_picks_the_first_backend_whose_constraints_hold(dtype, kv_heads, mask, gqa, head_dim, kernel):
+    q, k = _qk(dtype, kv_heads=kv_heads, head_dim=head_dim)
+    assert cuda_sdpa_kernel(q, k, object() if mask else None, enable_gqa=gqa) == kernel
+
+
+def test_flash_attention_2_is_flash_whatever_the_inputs():
+    q, k = _qk("float32", kv_heads=2)
+    assert cuda_sdpa_kernel(q, k, None, enable_gqa=True, force_flash=True) == "flash"
+
+
+def _acts(folder, **options):
+    options.setdefault("strategy", "ddp")
+    return estimate(str(folder), EstimateOptions(dtypes=("float32",), **options)).profile.activations
+
+
+def test_cuda_dropout_keeps_a_one_byte_mask_where_cpu_keeps_float_noise(zoo):
+    # tiny-gpt2 in eager: every dropout (attention, residual, MLP, embeddings) is F.dropout
+    cuda = _acts(zoo["tiny-gpt2"], seq_len=64, batch_size=2, attn_implementation="eager")
+    cpu = _acts(zoo["tiny-gpt2"], seq_len=64, batch_size=2, attn_implementation="eager", device_type="cpu")
+    assert cuda.attention_kernels == [] and cuda.attention_implementation == "eager"
+    assert cuda.saved_bytes < cpu.saved_bytes
+
+
+def test_fused_kernels_keep_no_seq_by_seq_matrix_and_math_does(zoo):
+    def per_token(seq: int, **options) -> float:
+        acts = _acts(zoo["tiny-llama"], seq_len=seq, batch_size=1, **options)
+        return acts.saved_bytes / seq
+
+    # bf16 weights under DeepSpeed-style precision: flash; saved bytes per token do not grow with the sequence
+    flash = [per_token(s, mixed_precision="bf16", strategy="zero2", num_processes=2) for s in (64, 256)]
+    math = [per_token(s) for s in (64, 256)]  # fp32 with grouped kv heads: math
+    assert flash[1] == pytest.approx(flash[0], rel=0.02)
+    # math keeps fp32 probabilities: heads x seq x 4 bytes per token and layer (tiny-llama: 4 heads, 10 layers)
+    assert math[1] - math[0] == pytest.approx(4 * (256 - 64) * 4 * 10, rel=0.01)
+
+
+def test_the_trace_records_the_kernel_and_the_implementation(zoo):
+    acts = _acts(zoo["tiny-llama"], seq_len=32)
+    assert acts.attention_implementation == "sdpa" and acts.attention_kernels == ["math"]
+    cpu = _acts(zoo["tiny-llama"], seq_len=32, device_type="cpu")
+    assert cpu.attention_kernels == []
+
+
+def test_torch_is_left_as_it_was_after_a_trace(zoo):
+    import torch.nn.functional as F  # noqa: N812
+
+    before = (F.scaled_dot_product_attention, F.dropout)
+    _acts(zoo["tiny-gpt2"], seq_len=16)
+    assert (F.scaled_dot_product_attention, F.dropout) == before
