@@ -6,6 +6,7 @@ from pathlib import PurePath
 
 from prefect import flow
 
+from prefect_accelerate.memory.choices import DEFAULT_RESERVE_FRACTION
 from prefect_accelerate.memory.models import EstimateOptions, FitVerdict, MemoryEstimate
 from prefect_accelerate.tasks.memory import estimate_memory, memory_fit
 
@@ -19,7 +20,7 @@ def _flow_run_name() -> str:
 
 @flow(name="estimate-memory", flow_run_name=_flow_run_name, log_prints=True)
 def estimate_memory_flow(model: str, options: EstimateOptions | None = None, device_memory: str | int | None = None,
-                         check: bool = False, reserve_fraction: float = 0.10,
+                         check: bool = False, reserve_fraction: float = DEFAULT_RESERVE_FRACTION,
                          gate: bool = False) -> tuple[MemoryEstimate, FitVerdict | None]:
     """Estimate a model's memory and, when asked, judge the fit on one device.
 
@@ -28,7 +29,8 @@ def estimate_memory_flow(model: str, options: EstimateOptions | None = None, dev
         options: dtypes and the training layout (a strategy is needed for the verdict).
         device_memory: ``"80GiB"``; None with ``check=True`` detects this machine's devices.
         check: judge the fit (implied by ``device_memory``).
-        reserve_fraction: share of each device kept back in the verdict.
+        reserve_fraction: an extra share of each device kept back, on top of the modelled CUDA context and
+            fragmentation (docs/memory.md).
         gate: fail the flow when the run would not fit (the preflight behaviour).
 
     Returns:
