@@ -49,13 +49,15 @@ def test_a_tracked_launch_stores_no_secret_argument(tmp_path, monkeypatch):
 
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     script = tmp_path / "echo_args.py"
-    script.write_text("import sys\nprint('args', sys.argv[1:], flush=True)\n")
+    received = tmp_path / "received.txt"
+    script.write_text(f"import sys\nopen({str(received)!r}, 'w').write(sys.argv[2])\nprint('args', sys.argv[1:], flush=True)\n")
     options = build_launch_options(str(script), ["--tok", TOKEN], num_processes=1, mixed_precision="no", dynamo_backend="no",
                                    num_machines=1, run_dir=str(tmp_path / "run"))
     plan = plan_launch(options)
     state = launch_flow(options=options, plan=plan, return_state=True)
     result = state.result()
     assert result.succeeded and TOKEN not in result.model_dump_json()
+    assert received.read_text() == TOKEN  # the script itself got the real value
 
     async def stored() -> str:
         async with get_client() as client:
