@@ -73,10 +73,14 @@ def memory_fit_step(request: PipelineRequest, estimate):
 
     memory, source = device_memory_for(request, estimate)
     verdict = check_fit(estimate, memory)
-    if not verdict.fits:
-        best = f" Smallest change that fits: {verdict.best.change}." if verdict.best else ""
-        raise PreflightError(f"The run would not fit in memory ({source}): {verdict.message}{best}")
+    if not verdict.fits:  # the verdict's message already names the smallest change that fits
+        raise PreflightError(f"{verdict.message} Device memory: {device_source_text(source)}.")
     return verdict
+
+
+def device_source_text(source: str) -> str:
+    """Where one device's size came from, in words ("given" is the size the user passed)."""
+    return "the size you passed (--device_memory)" if source == "given" else source
 
 
 def deepspeed_step(request: PipelineRequest, estimate=None):
