@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.futures import PrefectFuture
+from prefect.futures import PrefectTaskRunFuture
 from prefect.states import Failed
 from prefect.utilities.annotations import quote
 
@@ -83,7 +83,7 @@ def _step_artifact(name: str, result: Any) -> tuple[str, str]:
     return result.markdown(), "The distributed self-test through this run's launcher and options"
 
 
-class _Finished(PrefectFuture):
+class _Finished(PrefectTaskRunFuture):
     """A step that has finished, as a future for `wait_for`. Given a State, Prefect would also walk into its
     result and add an edge for every value some other task returned too (an interned "no" in two results
     linked unrelated steps); a future is taken as exactly one edge."""

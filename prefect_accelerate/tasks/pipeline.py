@@ -19,7 +19,7 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.states import Failed
 
-from prefect_accelerate.errors import PrefectAccelerateError
+from prefect_accelerate.errors import PrefectAccelerateError, PreflightError
 from prefect_accelerate.pipeline import steps
 from prefect_accelerate.pipeline.models import PipelineRequest
 
@@ -116,9 +116,15 @@ def memory_step(request: PipelineRequest, key: str):
 def memory_fit_step(request: PipelineRequest, estimate, key: str):
     """Gate: the estimate fits one device with headroom (fails with the verdict otherwise)."""
     try:
-        verdict = steps.memory_fit_step(request, estimate)
+        verdict = steps.memory_fit_verdict(request, estimate)
     except PrefectAccelerateError as error:
         return _expected_failure(error)
+    if not verdict.fits:  # the gate said no: its verdict is the artifact a reader opens first
+        from prefect_accelerate.pipeline.naming import artifact_key
+        from prefect_accelerate.tasks.artifacts import fit_summary, publish, verdict_markdown
+
+        publish(artifact_key("memory-fit", request), markdown=verdict_markdown(verdict), description=fit_summary(verdict))
+        return _expected_failure(PreflightError(steps.fit_failure_message(verdict)))
     get_run_logger().info(verdict.message)
     return verdict
 
