@@ -51,11 +51,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser(
         "plan", help="Show the pipeline's DAG, what would run or come from the cache and why, and the launch plan.",
         description="Print the preflight DAG (Mermaid, or DOT with --format dot), each step's status and reason, and the exact "
-        "launch plan. Starts nothing and needs no Prefect server.",
+        "launch plan. Starts nothing and needs no Prefect server; with --track it also publishes the plan as a table "
+        "artifact (pipeline-plan-...) in Prefect.",
     )
     add_launch_arguments(plan)
     _add_pipeline_arguments(plan)
     plan.add_argument("--format", dest="graph_format", choices=("mermaid", "dot"), default="mermaid", help="Graph notation (default mermaid).")
+    add_tracking_flags(plan, tracked_by_default=False)
     plan.set_defaults(func=run_plan)
 
 
@@ -86,15 +88,19 @@ def request_from_args(args: argparse.Namespace):
     )
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run_plan(args: argparse.Namespace, *, publish: bool | None = None) -> int:
     from prefect_accelerate.pipeline.graph import build_graph, to_dot, to_mermaid, to_table
 
     request = request_from_args(args)
     graph = build_graph(request)
+    if should_track(args) if publish is None else publish:
+        from prefect_accelerate.flows.pipeline import publish_plan
+
+        publish_plan(request=request)
     if args.json:
         print(json.dumps({"steps": [s.model_dump() for s in graph.steps], "launch_plan": graph.launch_plan, "error": graph.error}, indent=2))
         return 0 if graph.error is None else 2
-    print(to_dot(graph) if args.graph_format == "dot" else to_mermaid(graph))
+    print(to_dot(graph) if getattr(args, "graph_format", "mermaid") == "dot" else to_mermaid(graph))
     print()
     print(to_table(graph))
     print()
@@ -110,7 +116,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def run_pipeline(args: argparse.Namespace) -> int:
     request = request_from_args(args)
     if args.dry_run:
-        return run_plan(args)
+        return run_plan(args, publish=False)
     if should_track(args):
         from prefect_accelerate.flows.pipeline import launch_training
 

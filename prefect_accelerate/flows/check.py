@@ -31,10 +31,10 @@ def check_environment(config_file: str | None = None, create_if_missing: bool = 
     Returns:
         The environment report, including the config that was used.
     """
-    logger = get_run_logger()
     if config_missing(config_file) and create_if_missing:
-        created = config_default(config_file, mixed_precision)
-        logger.info(created.message())
+        # the config-default task logs "configuration saved at ..." once; this says why it ran
+        get_run_logger().info("No Accelerate config was found, so this run writes a default one for this machine.")
+        config_default(config_file, mixed_precision)
     loaded = load_config(config_file)
     # keep "default" vs "passed" in the report: pass the path only when the user named it
     return env_report(str(loaded.path) if loaded.location.source == "passed" else None)

@@ -36,7 +36,14 @@ def estimate_memory_flow(model: str, options: EstimateOptions | None = None, dev
     Returns:
         (estimate, verdict or None).
     """
-    result = estimate_memory(model, options)
+    state = estimate_memory(model, options, return_state=True)
+    result = state.result()
+    if state.name == "Cached":  # the run that reuses the estimate shows it too, under the cached task run
+        from prefect_accelerate.tasks.artifacts import estimate_markdown, publish
+        from prefect_accelerate.tasks.memory import ESTIMATE_ARTIFACT_KEY
+
+        publish(ESTIMATE_ARTIFACT_KEY, markdown=estimate_markdown(result), task_run_id=state.state_details.task_run_id,
+                description=f"Memory needed by {result.source.name} (from the cache: same model config and options)")
     verdict = None
     if check or device_memory is not None:
         verdict = memory_fit(result, device_memory, reserve_fraction, raise_on_failure=gate)

@@ -18,16 +18,24 @@ from prefect_accelerate.pipeline import index
 from prefect_accelerate.pipeline.keys import digest, environment_fingerprint, file_digest, step_key
 from prefect_accelerate.pipeline.models import STEP_NAMES, PipelineRequest
 
-#: step -> the steps it waits for
-DEPENDS_ON: dict[str, tuple[str, ...]] = {
-    "config": (),
-    "env": ("config",),
-    "memory": ("config",),
-    "memory-fit": ("memory", "env"),
-    "deepspeed-check": ("env",),
-    "install-test": ("memory-fit", "deepspeed-check", "env"),
-    "launch": ("install-test",),
-}
+#: the DAG as layers: every step waits for the steps of the layer before it that are part of the run
+#: (config -> env || memory -> memory-fit -> deepspeed-check -> install-test -> launch); a step that is not
+#: needed is left out and its dependents wait for the layer before it instead
+LAYERS: tuple[tuple[str, ...], ...] = (("config",), ("env", "memory"), ("memory-fit",), ("deepspeed-check",), ("install-test",), ("launch",))
+
+
+def upstream(name: str, enabled) -> tuple[str, ...]:
+    """The steps `name` waits for when only the steps in `enabled` take part."""
+    layer = next(i for i, names in enumerate(LAYERS) if name in names)
+    for earlier in reversed(LAYERS[:layer]):
+        present = tuple(step for step in earlier if step in enabled)
+        if present:
+            return present
+    return ()
+
+
+#: step -> the steps it waits for when every step takes part
+DEPENDS_ON: dict[str, tuple[str, ...]] = {name: upstream(name, STEP_NAMES) for layer in LAYERS for name in layer}
 
 DESCRIPTIONS = {
     "config": "load, migrate in memory and validate the config with the launch flags",
@@ -176,6 +184,9 @@ def build_graph(request: PipelineRequest, *, host=None, with_status: bool = True
                 "memory": "no model given", "memory-fit": "no model given",
                 "deepspeed-check": "the launch does not use DeepSpeed", "install-test": "run_install_test is off",
             }[name]
+    enabled = {name for name, step in steps.items() if step.enabled}
+    for step in steps.values():
+        step.depends_on = upstream(step.name, enabled) if step.enabled else ()
     if options is not None:
         model = _model_digest(request)
         if has_model:
@@ -277,6 +288,12 @@ def to_dot(graph: PipelineGraph) -> str:
             lines.append(f'  "{parent}" -> "{step.name}";')
     lines.append("}")
     return "\n".join(lines)
+
+
+def plan_rows(graph: PipelineGraph) -> list[dict[str, str]]:
+    """The plan as rows for a table artifact: step, what it waits for, would run / use cache / not needed, why."""
+    return [{"step": s.name, "after": ", ".join(s.depends_on) or "-", "status": s.status, "why": s.reason, "what": s.description}
+            for s in graph.steps]
 
 
 def to_table(graph: PipelineGraph) -> str:

@@ -68,15 +68,29 @@ def device_memory_for(request: PipelineRequest, estimate) -> tuple[int | str, st
     return total // per_node, f"CPU training: system RAM shared by {per_node} process(es) on this machine"
 
 
-def memory_fit_step(request: PipelineRequest, estimate):
+def memory_fit_verdict(request: PipelineRequest, estimate):
+    """The fit verdict, whichever way it goes; `device_source` says where the device size came from."""
     from prefect_accelerate.memory.fit import check_fit
 
     memory, source = device_memory_for(request, estimate)
-    verdict = check_fit(estimate, memory)
+    return check_fit(estimate, memory).model_copy(update={"device_source": source})
+
+
+def fit_failure_message(verdict) -> str:
+    # the verdict's message already names the smallest change that fits
+    return f"{verdict.message} Device memory: {device_source_text(verdict.device_source)}."
+
+
+def memory_fit_step(request: PipelineRequest, estimate):
+    verdict = memory_fit_verdict(request, estimate)
     if not verdict.fits:
-        best = f" Smallest change that fits: {verdict.best.change}." if verdict.best else ""
-        raise PreflightError(f"The run would not fit in memory ({source}): {verdict.message}{best}")
+        raise PreflightError(fit_failure_message(verdict))
     return verdict
+
+
+def device_source_text(source: str) -> str:
+    """Where one device's size came from, in words ("given" is the size the user passed)."""
+    return "the size you passed (--device_memory)" if source == "given" else source
 
 
 def deepspeed_step(request: PipelineRequest, estimate=None):

@@ -27,37 +27,56 @@ def _launch_run_name() -> str:
 
     params = task_run.parameters
     plan = params.get("plan")
+    if hasattr(plan, "unquote"):  # the pipeline quotes its arguments (prefect.utilities.annotations.quote)
+        plan = plan.unquote()
     if plan is not None:
         return f"launch-{plan.launcher}-{plan.num_machines}x{max(plan.num_processes // max(plan.num_machines, 1), 1)}"
     return "launch"
 
 
+def _wrapped_command(command: str) -> list[str]:
+    """The command one option per line (shell continuations), so that nothing is cut off at the UI's edge."""
+    import shlex
+
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return [command]
+    lines: list[str] = []
+    for word in words:
+        takes_value = bool(lines) and lines[-1].startswith("-") and " " not in lines[-1] and "=" not in lines[-1]
+        if lines and not word.startswith("-") and takes_value:
+            lines[-1] += " " + shlex.quote(word)
+        else:
+            lines.append(shlex.quote(word))
+    return [line + " \\" for line in lines[:-1]] + lines[-1:]
+
+
 def result_markdown(plan: LaunchPlan, result: LaunchResult) -> str:
-    status = "succeeded" if result.succeeded else ("timed out" if result.timed_out else "failed")
-    lines = [
-        f"# Launch {status}",
-        "",
-        "| | |",
-        "|---|---|",
-        f"| launcher | `{plan.launcher}` |",
-        f"| processes | {plan.num_processes} on {plan.num_machines} machine(s), this is rank {plan.machine_rank} |",
-        f"| exit code | {result.exit_code} |",
-        f"| duration | {result.duration_s:.1f} s |",
-        f"| log | `{result.log_path}` |",
-        "",
-        "```",
-        result.command,
-        "```",
-    ]
+    """The launch as a person reads it in the UI: the outcome first, the layout, the command, the last output."""
+    if result.succeeded:
+        status, outcome = "succeeded", f"succeeded: exit code 0 after {result.duration_s:.1f} s"
+    elif result.timed_out:
+        status, outcome = "timed out", f"stopped at its deadline after {result.duration_s:.1f} s"
+    else:
+        status, outcome = "failed", f"failed: exit code {result.exit_code} after {result.duration_s:.1f} s"
+    layout = f"{plan.num_processes} process(es) on {plan.num_machines} machine(s)"
+    if plan.num_machines > 1:
+        layout += f"; this launch is machine {plan.machine_rank}"
+    lines = [f"## Training {status}", "", "| item | value |", "|---|---|", f"| outcome | {outcome} |",
+             f"| launcher | {plan.launcher} |", f"| layout | {layout} |"]
+    if result.failed_ranks:
+        lines.append("| failed ranks | " + ", ".join(f"rank {f.rank} (exit code {f.exit_code})" for f in result.failed_ranks) + " |")
     job = getattr(result, "job", None)
     if job is not None:  # a SageMaker job rather than local processes
-        lines += ["", "| job | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in job.model_dump(mode="json").items() if v not in (None, "")]
-    if result.failed_ranks:
-        lines += ["", "| failed rank | exit code |", "|---|---|"] + [f"| {f.rank} | {f.exit_code} |" for f in result.failed_ranks]
+        lines += [f"| job {k} | {v} |" for k, v in job.model_dump(mode="json").items() if v not in (None, "")]
     if result.error:
         lines += ["", f"**Error:** {result.error}"]
-    if not result.succeeded and result.tail:
-        lines += ["", "Last lines:", "```", *result.tail[-20:], "```"]
+    if result.tail:
+        lines += ["", "Last output lines (every line is in this run's logs):", "```", *result.tail[-15:], "```"]
+    lines += ["", "Command:", "```", *_wrapped_command(result.command), "```"]
+    if result.log_path:
+        lines += ["", f"The full output is also kept on the launching machine, in {result.log_path}."]
     return "\n".join(lines)
 
 
@@ -111,5 +130,5 @@ def launch(
         flow_run_id=str(flow_run.id) if flow_run.id else None,
         task_run_id=str(task_run.id) if task_run.id else None,
     )
-    create_markdown_artifact(key=RESULT_ARTIFACT_KEY, markdown=result_markdown(plan, result), description="prefect-accelerate launch result")
+    create_markdown_artifact(key=RESULT_ARTIFACT_KEY, markdown=result_markdown(plan, result), description=f"Training {'succeeded' if result.succeeded else 'failed'}: {plan.launcher}, {plan.num_processes} process(es)")
     return result.raise_for_failure()

@@ -14,7 +14,7 @@ from pathlib import PurePath
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from prefect_accelerate._version import __version__
@@ -23,7 +23,8 @@ from prefect_accelerate.memory.choices import DEFAULT_RESERVE_FRACTION
 from prefect_accelerate.memory.core import estimate
 from prefect_accelerate.memory.fit import check_fit
 from prefect_accelerate.memory.models import EstimateOptions, FitVerdict, MemoryEstimate
-from prefect_accelerate.memory.report import artifact_rows, render_breakdown, render_verdict
+from prefect_accelerate.pipeline.steps import device_source_text
+from prefect_accelerate.tasks.artifacts import estimate_markdown, fit_summary, verdict_markdown
 from prefect_accelerate.memory.resolve import resolve_model
 
 ESTIMATE_ARTIFACT_KEY = "memory-estimate"
@@ -75,7 +76,7 @@ def _run_name(prefix: str):
 def estimate_memory(model: str, options: EstimateOptions | None = None) -> MemoryEstimate:
     """Size a model without weights (Accelerate's table, plus the per-device breakdown when a strategy is set).
 
-    Publishes a table artifact (key ``memory-estimate``). Cached across runs on the model's config
+    Publishes a markdown artifact (key ``memory-estimate``). Cached across runs on the model's config
     content and the options.
 
     Args:
@@ -88,11 +89,10 @@ def estimate_memory(model: str, options: EstimateOptions | None = None) -> Memor
     result = estimate(model, options)
     logger = get_run_logger()
     logger.info("Sized %s", result.source.describe())
-    description = f"Memory estimate for `{result.model}` ({result.source.describe()})."
     if result.breakdown is not None:
         logger.info("%s per device (%s)", result.breakdown.device_total, result.breakdown.strategy)
-        description += "\n\n```\n" + render_breakdown(result.breakdown, result) + "\n```"
-    create_table_artifact(key=ESTIMATE_ARTIFACT_KEY, table=artifact_rows(result), description=description)
+    create_markdown_artifact(key=ESTIMATE_ARTIFACT_KEY, markdown=estimate_markdown(result),
+                             description=f"Memory needed by {result.source.name}")
     return result
 
 
@@ -112,13 +112,12 @@ def memory_fit(estimate: MemoryEstimate, device_memory: str | int | None = None,
         PreflightError: the run would not fit, or would be at risk (under 5% of the device left); the message is the verdict with the smallest change that fits.
     """
     verdict = check_fit(estimate, device_memory, reserve_fraction)
-    create_markdown_artifact(key=FIT_ARTIFACT_KEY, markdown="```\n" + render_verdict(verdict) + "\n```",
-                             description=f"Memory fit for `{estimate.model}`")
+    create_markdown_artifact(key=FIT_ARTIFACT_KEY, markdown=verdict_markdown(verdict), description=fit_summary(verdict))
     logger = get_run_logger()
     if verdict.fits:
         logger.info(verdict.message)
     elif raise_on_failure:
-        raise PreflightError(f"Memory check failed for `{estimate.model}`. {verdict.message}")
+        raise PreflightError(f"{verdict.message} Device memory: {device_source_text(verdict.device_source)}.")
     else:
         logger.warning(verdict.message)
     return verdict

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers.golden import assert_golden, normalize_plan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,3 +48,26 @@ def test_plan_draws_mermaid_and_dot_without_prefect_or_torch(tmp_path):
     assert "prefect" not in imported and "torch" not in imported
     dot = subprocess.run([sys.executable, "-m", "prefect_accelerate.cli.main", *base[5:-1], "--format", "dot", str(EXAMPLE)], capture_output=True, text=True, env=env, timeout=120)
     assert dot.stdout.startswith("digraph preflight {") and '"install-test" -> "launch";' in dot.stdout
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_plan_track_publishes_the_plan_as_a_table_in_prefect(tmp_path, monkeypatch, capfd):
+    from prefect.artifacts import Artifact
+
+    from prefect_accelerate.cli.main import main
+    from prefect_accelerate.cli.pipeline_cmd import request_from_args
+    from prefect_accelerate.cli.main import build_parser
+    from prefect_accelerate.pipeline.naming import artifact_key
+
+    monkeypatch.setenv("PREFECT_ACCELERATE_STATE_DIR", str(tmp_path / "state"))
+    argv = ["plan", "--cpu", "--num_processes", "2", "--no_install_test", str(EXAMPLE)]
+    assert main([*argv[:1], "--track", *argv[1:]]) == 0
+    assert capfd.readouterr().out.startswith("flowchart LR")  # the terminal output is unchanged
+    key = artifact_key("pipeline-plan", request_from_args(build_parser().parse_args(argv)))
+    artifact = Artifact.get(key)
+    assert artifact is not None and artifact.type == "table"
+    rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+    by_step = {row["step"]: row for row in rows}
+    assert by_step["env"]["after"] == "config" and by_step["launch"]["after"] == "env"
+    assert by_step["memory"]["status"] == "not needed" and by_step["memory"]["why"] == "no model given"
+    assert by_step["config"]["status"] in ("would run", "would use cache") and by_step["config"]["why"]

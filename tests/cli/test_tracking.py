@@ -62,6 +62,22 @@ def _flow_runs(flow_name: str) -> list:
     return asyncio.run(read())
 
 
+def _logs(flow_run_id, expected: str) -> list[str]:
+    """One flow run's log messages, once `expected` is among them (logs reach the server in batches)."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + 60
+    while True:
+        with get_client(sync_client=True) as client:
+            lines = [r.message for r in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))]
+        if any(expected in line for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.5)
+
+
 def _completed(flow_name: str) -> int:
     return sum(1 for run in _flow_runs(flow_name) if run.state and run.state.is_completed())
 
@@ -109,12 +125,17 @@ def test_check_runs_tracked_and_untracked_and_can_refuse_to_create(hf_home, capf
     assert "default_config" in capfd.readouterr().err and not default.exists()
 
     before = _completed("check-environment")
-    assert main(["check", "--mixed_precision", "fp16"]) == 0  # tracked by default: creates the config
-    printed = capfd.readouterr().out
+    known = {run.id for run in _flow_runs("check-environment")}
+    assert main(["check", "--mixed_precision", "fp16"]) == 0  # tracked by default: creates the config, and says so
+    captured = capfd.readouterr()
+    printed = captured.out
+    assert f"No Accelerate config at {default}: writing a default one" in captured.err
     assert default.exists() and yaml.safe_load(default.read_text())["mixed_precision"] == "fp16"
     assert "PyTorch version" in printed and _completed("check-environment") == before + 1
+    (run,) = [run for run in _flow_runs("check-environment") if run.id not in known]
+    assert sum("configuration saved" in line for line in _logs(run.id, "configuration saved")) == 1
 
     assert main(["check", "--no-track"]) == 0  # now it exists: loaded, reported, not recreated
     captured = capfd.readouterr()
-    assert "PyTorch version" in captured.out and "Writing" not in captured.out
+    assert "PyTorch version" in captured.out and "Writing" not in captured.out and "No Accelerate config" not in captured.err
     assert _completed("check-environment") == before + 1

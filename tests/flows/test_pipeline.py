@@ -157,7 +157,7 @@ def test_memory_gate_stops_a_run_that_would_not_fit(tmp_path, tiny_gpt2):
     report = gate()
     assert not report.ok and report.failed_step == "memory-fit"
     assert statuses(report)["install-test"] == "skipped"
-    assert "would not fit" in report.step("memory-fit").reason
+    assert report.step("memory-fit").reason.startswith("Does not fit")
 
 
 def test_pipeline_launches_after_preflight(tmp_path):
@@ -238,9 +238,12 @@ def test_run_names_say_which_launcher_runs(monkeypatch, hf_home):
         monkeypatch.setitem(flow_run.FIELDS, "parameters", lambda: {"request": request})
         return _run_name("launch-training")()
 
+    # `--cpu` with no config file anywhere: the name says no file was read (not "default-config")
     assert name_for(PipelineRequest(script=EXAMPLE, launch_flags={"cpu": True, "num_processes": 2, **QUIET})) == \
-        "launch-training-torchrun-cpu-default-config-ddp_allreduce-2p"
+        "launch-training-torchrun-cpu-no-config-file-ddp_allreduce-2p"
     deepspeed = PipelineRequest(script=EXAMPLE, launch_flags={"use_deepspeed": True, "zero_stage": 2, "num_processes": 2, **QUIET})
-    assert name_for(deepspeed) == "launch-training-deepspeed-default-config-ddp_allreduce-2p"
+    assert name_for(deepspeed) == "launch-training-deepspeed-no-config-file-ddp_allreduce-2p"
     # options that do not resolve leave the launcher out instead of failing the run (the config step reports them)
     assert name_for(PipelineRequest(script=EXAMPLE, config_file="/no/such.yaml")) == "launch-training-such.yaml-ddp_allreduce"
+    assert name_for(PipelineRequest(script=EXAMPLE, config_file="/no/such.yaml", model="/models/tiny-gpt2/")) == \
+        "launch-training-such.yaml-ddp_allreduce-tiny-gpt2"

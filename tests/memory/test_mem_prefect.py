@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -28,9 +29,12 @@ def test_estimate_task_returns_the_model_and_publishes_a_table_artifact(prefect_
     result = sized()
     assert result.breakdown.trained_class == "GPT2LMHeadModel"
     artifact = Artifact.get(ESTIMATE_ARTIFACT_KEY)
-    assert artifact is not None and artifact.type == "table"
-    rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-    assert any(row["item"] == "Total" for row in rows)
+    assert artifact is not None and artifact.type == "markdown"
+    text = artifact.data
+    # the model named once, the per-device total first, one unit system (binary) throughout
+    assert text.count(str(zoo["tiny-gpt2"])) == 1 and "**total (peak)**" in text
+    assert text.index("per device**") < text.index("Accelerate's table") and "table above" not in text
+    assert not re.search(r"\d (KB|MB|GB)\b", text)
 
 
 def test_estimate_is_cached_across_runs_on_config_content_and_options(prefect_harness, zoo, tmp_path):

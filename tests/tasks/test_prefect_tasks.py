@@ -104,7 +104,7 @@ def test_launch_lines_reach_the_run_logger_with_rank_labels_and_an_artifact(monk
     env_lines = [m for m in messages if m.startswith("Environment added for the launch:")]
     assert len(env_lines) == 1 and "ACCELERATE_USE_CPU=True" in env_lines[0]
     artifact = _artifact("launch-result")
-    assert artifact is not None and "Launch succeeded" in artifact.data
+    assert artifact is not None and "Training succeeded" in artifact.data and "rank 0" not in artifact.data.split("Last output")[0] and "| item | value |" in artifact.data
 
 
 @pytest.mark.slow
@@ -123,7 +123,7 @@ def test_a_failed_launch_fails_the_task_with_the_rank_and_code(monkeypatch):
     with pytest.raises(LaunchError, match="rank 1 exited with code 3") as info:
         train()
     assert info.value.exit_code == 3
-    assert "Launch failed" in _artifact("launch-result").data
+    assert "Training failed" in _artifact("launch-result").data
 
 
 @pytest.mark.slow
