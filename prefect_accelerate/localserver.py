@@ -97,28 +97,27 @@ def files_dir(home: Path) -> Path:
 
 # -- what the user's Prefect settings say (read without importing Prefect) -----------------------------
 
-def _active_profile() -> dict[str, str]:
-    import tomllib
+def _profile_sets(name: str) -> bool:
+    """Whether the active Prefect profile sets `name` (`prefect config set NAME=...`)."""
+    from prefect_accelerate.envreport.prefectapi import _dig, _read_toml, profiles_path
 
-    path = Path(os.path.expanduser(os.environ.get("PREFECT_PROFILES_PATH") or str(prefect_home() / "profiles.toml")))
-    try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    name = os.environ.get("PREFECT_PROFILE") or data.get("active") or "ephemeral"
-    profile = (data.get("profiles") or {}).get(name) or {}
-    return {str(k): str(v) for k, v in profile.items()}
+    data = _read_toml(profiles_path(os.environ, Path.cwd(), {}))
+    active = os.environ.get("PREFECT_PROFILE") or data.get("active")
+    profile = _dig(data, "profiles", str(active)) if active else None
+    return isinstance(profile, dict) and name in profile
 
 
 def configured_api_url() -> str | None:
-    """PREFECT_API_URL from the environment or the active Prefect profile (`prefect config set`)."""
-    return os.environ.get("PREFECT_API_URL") or _active_profile().get("PREFECT_API_URL") or None
+    """PREFECT_API_URL from wherever Prefect would read it (environment, .env, prefect.toml, profile)."""
+    from prefect_accelerate.envreport.prefectapi import prefect_api
+
+    return prefect_api().url
 
 
 def _server_env(base: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """The environment and extra flags for a server we start: no analytics unless the user's settings ask."""
     env = {k: v for k, v in base.items() if k != "PREFECT_API_URL"}
-    asked = "PREFECT_SERVER_ANALYTICS_ENABLED" in env or "PREFECT_SERVER_ANALYTICS_ENABLED" in _active_profile()
+    asked = "PREFECT_SERVER_ANALYTICS_ENABLED" in env or _profile_sets("PREFECT_SERVER_ANALYTICS_ENABLED")
     if asked:
         return env, []
     env.setdefault("DO_NOT_TRACK", "1")
@@ -151,9 +150,15 @@ def record_path(home: Path) -> Path:
 def read_record(home: Path) -> ServerRecord | None:
     try:
         data = json.loads(record_path(home).read_text())
-        return ServerRecord(**data)
+        record = ServerRecord(**data)
     except (OSError, ValueError, TypeError):
         return None
+    ints = (record.port, record.keeper_pid) + (() if record.pid is None else (record.pid,))
+    if not (isinstance(record.url, str) and all(type(v) is int and v > 0 for v in ints)
+            and isinstance(record.create_time, (int, float, type(None))) and isinstance(record.state, str)
+            and isinstance(record.started_at, (int, float)) and isinstance(record.idle_seconds, (int, float))):
+        return None  # not a record we wrote: treated as none (a stale one is replaced)
+    return record
 
 
 def _write_record(home: Path, record: ServerRecord) -> None:
