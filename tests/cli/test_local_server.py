@@ -174,6 +174,17 @@ def test_no_server_in_time_runs_untracked_and_explicit_track_exits_2(tmp_path):
         assert read_pids(tmp_path / "pids") == []  # no training process started
 
 
+def _end(process: subprocess.Popen) -> None:
+    """A command a failed assertion left running: SIGTERM (it ends its own training processes), then SIGKILL."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
 def _closed_port() -> int:
     import socket
 
@@ -195,16 +206,21 @@ def test_a_signal_ends_every_process_and_the_run_crashes_with_the_reason(prefect
     env = env_for(session_root / "prefect-home", tmp_path, WORKER_MODE="sleep", WORKER_PID_DIR=str(tmp_path / "pids"))
     (tmp_path / "pids").mkdir()
     before = {p.pid for p in server_processes(session_root / "prefect-home")}
+    # a group of its own, as a terminal's foreground job; SIGINT as a shell gives it (a test run in the
+    # background of a shell would hand down SIGINT ignored)
     cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, start_new_session=True)
-    workers = wait_for_pids(tmp_path / "pids", 2)
-    tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
-    began = time.monotonic()
-    if how == "sigint-group":
-        os.killpg(cli.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
-    else:
-        cli.send_signal(signal.SIGTERM)
-    out, err = cli.communicate(timeout=120)
+                           text=True, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        workers = wait_for_pids(tmp_path / "pids", 2)
+        tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
+        began = time.monotonic()
+        if how == "sigint-group":
+            os.killpg(cli.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        else:
+            cli.send_signal(signal.SIGTERM)
+        out, err = cli.communicate(timeout=120)
+    finally:
+        _end(cli)
     assert cli.returncode == code, err[-3000:]
     assert time.monotonic() - began < 5 + 30, "not within the grace period plus a few seconds"
     assert "every process the command started was stopped" in err and no_traceback_of_ours(out + err), err[-3000:]
@@ -227,7 +243,8 @@ def test_four_tracked_launches_and_a_validate_at_once_all_run_and_are_recorded(p
     results = [(p, *p.communicate(timeout=900)) for p in [*launches, validate]]
     for proc, out, err in results:
         assert proc.returncode == 0, err[-3000:]
-        assert "database" not in err.lower() and "Traceback" not in err, err[-3000:]
+        assert "sqlalchemy" not in err.lower() and "database is locked" not in err.lower(), err[-3000:]
+        assert no_traceback_of_ours(err), err[-3000:]
     runs = [r for r in flow_runs(prefect_harness.url, "launch")]
     assert len(runs) == before + 4 and all(r.state.is_completed() for r in sorted(runs, key=lambda r: r.created)[-4:])
     for run in sorted(runs, key=lambda r: r.created)[-4:]:
@@ -240,12 +257,15 @@ def test_a_per_command_server_ends_with_the_command_even_on_sigterm(tmp_path):
     env = env_for(home, tmp_path, WORKER_MODE="sleep", WORKER_PID_DIR=str(tmp_path / "pids"), PREFECT_ACCELERATE_SERVER="ephemeral")
     (tmp_path / "pids").mkdir()
     cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    workers = wait_for_pids(tmp_path / "pids", 2, timeout=600)
-    tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
-    servers = [p.pid for p in server_processes(home)]
-    assert len(servers) == 1 and servers[0] in tree and os.getsid(servers[0]) != os.getsid(cli.pid)
-    cli.send_signal(signal.SIGTERM)
-    _, err = cli.communicate(timeout=120)
+    try:
+        workers = wait_for_pids(tmp_path / "pids", 2, timeout=600)
+        tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
+        servers = [p.pid for p in server_processes(home)]
+        assert len(servers) == 1 and servers[0] in tree and os.getsid(servers[0]) != os.getsid(cli.pid)
+        cli.send_signal(signal.SIGTERM)
+        _, err = cli.communicate(timeout=120)
+    finally:
+        _end(cli)
     assert cli.returncode == 143 and no_traceback_of_ours(err), err[-3000:]
     assert_all_gone([*workers, *tree], timeout=30)
     assert localserver.read_record(home) is None  # nothing long-lived was started

@@ -11,8 +11,9 @@ Files under `$PREFECT_HOME/prefect-accelerate/`:
                   stops the server when nobody has held it (and no client was connected) for the idle period
 - `server.log`    the keeper's and the server's output
 
-The keeper imports nothing heavy (stdlib and psutil): it starts the server, waits until it answers,
-then polls every few seconds. This module never imports Prefect.
+The keeper (keeper.py) imports nothing heavy (stdlib and psutil): it starts the server, waits until it
+answers, then polls every few seconds. The per-command server of PREFECT_ACCELERATE_SERVER=ephemeral is
+ephemeral.py. This package never imports Prefect.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import contextlib
 import fcntl
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -327,7 +327,7 @@ def _spawn_keeper(home: Path) -> int:
     port = PREFERRED_PORT if _port_free(PREFERRED_PORT) else _free_port()
     with open(folder / "server.log", "ab") as log:
         keeper = subprocess.Popen(
-            [sys.executable, "-m", "prefect_accelerate.localserver", "keep", str(home), str(port), str(idle_seconds())],
+            [sys.executable, "-m", "prefect_accelerate.localserver.keeper", str(home), str(port), str(idle_seconds())],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
         )
     return keeper.pid
@@ -383,191 +383,10 @@ def _await_gone(procs: list, timeout: float) -> None:
     psutil.wait_procs(procs, timeout=timeout)
 
 
-# -- the per-command server (PREFECT_ACCELERATE_SERVER=ephemeral) ---------------------------------------
+from prefect_accelerate.localserver.ephemeral import start_ephemeral  # noqa: E402  (re-exported)
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the command that started it dies, even by SIGKILL (Linux)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def start_ephemeral(timeout: float | None = None) -> str:
-    """Start Prefect's ephemeral server app for this process only, in a session of its own (Ctrl-C does not
-    reach it); it is stopped when this process exits, by any path. Returns its API URL."""
-    import atexit
-    import tempfile
-
-    timeout = startup_timeout() if timeout is None else timeout
-    env, flags = _server_env(dict(os.environ))
-    env["PREFECT__SERVER_EPHEMERAL"] = "1"  # the app Prefect's own temporary server runs (lighter services)
-    log = tempfile.TemporaryFile()  # noqa: SIM115 - read on failure, closed with the process
-    port = _free_port()
-    argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-ui", *flags]
-    process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                               start_new_session=True, preexec_fn=_die_with_parent)
-
-    def stop() -> None:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=STOP_GRACE_SECONDS)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
-
-    atexit.register(stop)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + timeout
-    while not healthy(url, timeout=2.0):
-        exited = process.poll()
-        if exited is not None or time.monotonic() >= deadline:
-            stop()
-            log.seek(0)
-            tail = " | ".join(log.read().decode(errors="replace").strip().splitlines()[-6:])
-            what = f"exited with code {exited}" if exited is not None else f"did not answer within {timeout:.0f} s"
-            raise ServerUnavailable(f"the per-command Prefect server {what} ({tail or 'no output'})")
-        time.sleep(0.25)
-    return url
-
-
-# -- the keeper ----------------------------------------------------------------------------------------
-
-class _Keeper:
-    """Runs `prefect server start` as its child and stops it when asked or when nobody used it for a while."""
-
-    def __init__(self, home: Path, port: int, idle: float) -> None:
-        self.home = home
-        self.port = port
-        self.idle = idle
-        self.stop_requested = False
-        self.record = ServerRecord(url=self._url(port), port=port, keeper_pid=os.getpid(), started_at=time.time(), idle_seconds=idle)
-        self.server: subprocess.Popen | None = None
-
-    @staticmethod
-    def _url(port: int) -> str:
-        return f"http://127.0.0.1:{port}/api"
-
-    def _request_stop(self, signum: int, frame: object) -> None:  # noqa: ARG002
-        self.stop_requested = True
-
-    def _start_server(self) -> subprocess.Popen:
-        env, flags = _server_env(dict(os.environ))
-        argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port), *flags]
-        print(f"[keeper {os.getpid()}] starting: {' '.join(argv)}", flush=True)
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
-
-    def run(self) -> int:
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(signum, self._request_stop)
-        _write_record(self.home, self.record)
-        if not self._start_until_healthy():
-            return 1
-        claimed = self._watch()
-        try:
-            self._stop_server()
-            _remove_record(self.home, os.getpid())
-        finally:
-            if claimed is not None:
-                os.close(claimed)
-        return 0
-
-    def _start_until_healthy(self) -> bool:
-        limit = time.monotonic() + max(KEEPER_START_LIMIT_SECONDS, startup_timeout())
-        attempts = 0
-        self.server = self._start_server()
-        while True:
-            if self.stop_requested or time.monotonic() > limit:
-                self._stop_server()
-                self._fail("it was stopped while starting" if self.stop_requested else "it did not answer within the keeper's limit")
-                return False
-            code = self.server.poll()
-            if code is not None:
-                attempts += 1
-                if attempts < 3 and not _port_free(self.port):  # someone took the port between our check and its bind
-                    self.port = _free_port()
-                    self.record.port, self.record.url = self.port, self._url(self.port)
-                    _write_record(self.home, self.record)
-                    self.server = self._start_server()
-                    continue
-                self._fail(f"`prefect server start` exited with code {code} ({_log_tail(self.home) or 'no output'})")
-                return False
-            if healthy(self.record.url, timeout=2.0):
-                import psutil
-
-                self.record.pid = self.server.pid
-                self.record.create_time = psutil.Process(self.server.pid).create_time()
-                self.record.state = "ready"
-                _write_record(self.home, self.record)
-                print(f"[keeper {os.getpid()}] server {self.server.pid} ready at {self.record.url}", flush=True)
-                return True
-            time.sleep(0.25)
-
-    def _fail(self, reason: str) -> None:
-        self.record.state, self.record.reason = "failed", reason
-        _write_record(self.home, self.record)
-        print(f"[keeper {os.getpid()}] {reason}", flush=True)
-
-    def _claim_unused(self) -> int | None:
-        """The in-use lock held exclusively (so no command can start using the server), or None while one uses it."""
-        fd = os.open(files_dir(self.home) / "server.inuse", os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
-
-    def _clients_connected(self) -> bool:
-        """Another program (the UI in a browser, a user's own flow) holds a connection to the server."""
-        proc = _process(self.record.pid, self.record.create_time)
-        if proc is None:
-            return False
-        try:
-            return any(c.status == "ESTABLISHED" and c.laddr and c.laddr.port == self.port for c in proc.net_connections(kind="tcp"))
-        except Exception:
-            return False
-
-    def _watch(self) -> int | None:
-        """Wait until asked to stop, the server died, or it was unused for the idle period (then: the claimed lock)."""
-        assert self.server is not None
-        poll = 5.0 if self.idle <= 0 else min(15.0, max(self.idle / 4, 0.5))
-        last_used = time.time()
-        inuse = files_dir(self.home) / "server.inuse"
-        while not self.stop_requested and self.server.poll() is None:
-            now = time.time()
-            with contextlib.suppress(OSError):
-                last_used = max(last_used, inuse.stat().st_mtime)
-            if self._clients_connected():
-                last_used = now
-            if self.idle > 0 and now - last_used >= self.idle:
-                claimed = self._claim_unused()
-                if claimed is not None:
-                    print(f"[keeper {os.getpid()}] unused for {self.idle / 60:g} min: stopping the server", flush=True)
-                    return claimed
-                last_used = now
-            time.sleep(poll)
-        return None
-
-    def _stop_server(self) -> None:
-        if self.server is None or self.server.poll() is not None:
-            return
-        self.server.terminate()
-        try:
-            self.server.wait(timeout=STOP_GRACE_SECONDS)
-        except subprocess.TimeoutExpired:
-            self.server.kill()
-            self.server.wait(timeout=10)
-
-
-def _keep(argv: list[str]) -> int:
-    home, port, idle = Path(argv[0]), int(argv[1]), float(argv[2])
-    return _Keeper(home, port, idle).run()
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "keep":
-        sys.exit(_keep(sys.argv[2:]))
-    print("usage: python -m prefect_accelerate.localserver keep HOME PORT IDLE_SECONDS (started by prefect-accelerate)", file=sys.stderr)
-    sys.exit(2)
+__all__ = [
+    "IDLE_ENV", "MODE_ENV", "TIMEOUT_ENV", "ServerRecord", "ServerUnavailable", "configured_api_url", "ensure_server",
+    "files_dir", "healthy", "is_running", "prefect_home", "probe", "reachable", "read_record", "record_path",
+    "server_mode", "start_ephemeral", "stop_server",
+]
