@@ -7,6 +7,7 @@ and HF_HOME under the session's temp folder, Hub access off, analytics off, and 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -45,13 +46,36 @@ def session_root() -> Path:
     return _SESSION_ROOT
 
 
-@pytest.fixture(scope="session")
-def prefect_harness():
-    """One Prefect test server for the whole session (its start-up takes 10-20 s on 2 cores)."""
-    from prefect.testing.utilities import prefect_test_harness
+@pytest.fixture(scope="session", autouse=True)
+def stop_local_prefect_server():
+    """Tracked commands started as child processes with no PREFECT_API_URL find (or start) the long-lived local
+    server of the session's PREFECT_HOME; it is stopped by its recorded pid when the session ends."""
+    yield
+    from prefect_accelerate.localserver import stop_server
 
-    with prefect_test_harness(server_startup_timeout=180):
-        yield
+    stop_server(Path(_ENV["PREFECT_HOME"]))
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(stop_local_prefect_server):
+    """The session's Prefect server: the same long-lived local server a user gets (one start-up, 10-40 s on a
+    loaded 2-core machine), shared by in-process flows and by every tracked command the tests start."""
+    import prefect.context
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from prefect_accelerate.localserver import ensure_server
+
+    record, _ = ensure_server(Path(_ENV["PREFECT_HOME"]), timeout=300)
+    with temporary_settings(updates={PREFECT_API_URL: record.url}):
+        # threads Prefect starts later (log and event shippers) read the process-global settings
+        with prefect.context._temporary_global_settings_context(prefect.context.get_settings_context()):
+            yield record
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogWorker
+
+            with contextlib.suppress(RuntimeError):
+                APILogWorker.drain_all(timeout=30)
+            EventsWorker.drain_all()
 
 
 @pytest.fixture

@@ -91,16 +91,45 @@ def run(args: argparse.Namespace) -> int:
         print(f"[prefect-accelerate] {note}", file=sys.stderr)
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
+    quiet = bool(getattr(options, "quiet", False))
     if should_track(args):
-        from prefect_accelerate.flows.launch import launch_flow
-
-        result = launch_flow(options=options, plan=plan)
+        result = _tracked(args, options, plan, quiet)
     else:
-        from prefect_accelerate.launchers.execute import execute
-
-        result = execute(plan, on_line=_raw_echo, timeout=options.timeout, grace=options.grace_period)
-    result.raise_for_failure(quiet=bool(getattr(options, "quiet", False)))
+        result = _untracked(options, plan)
+    result.raise_for_failure(quiet=quiet)
     return 0
+
+
+def _untracked(options, plan):
+    from prefect_accelerate.launchers.execute import execute
+
+    return execute(plan, on_line=_raw_echo, timeout=options.timeout, grace=options.grace_period)
+
+
+def _tracked(args: argparse.Namespace, options, plan, quiet: bool):
+    """The launch as a flow run; the training's outcome never depends on the Prefect server (tracking.py)."""
+    from prefect_accelerate.cli.tracking import surviving_server_loss, tracking_wanted, unavailable_paragraph
+    from prefect_accelerate.errors import PrefectAccelerateError, UsageError
+    from prefect_accelerate.flows.launch import launch_flow
+    from prefect_accelerate.tasks.launch import LAST_OUTCOME
+
+    try:
+        with surviving_server_loss(LAST_OUTCOME, quiet=quiet):
+            return launch_flow(options=options, plan=plan)
+    except PrefectAccelerateError:
+        raise
+    except Exception as error:  # Prefect's bookkeeping failed (its server went away), not the training
+        result = LAST_OUTCOME.get("result")
+        if result is not None:
+            print(f"warning: the training ended, but Prefect could not record it ({type(error).__name__}: {error}).", file=sys.stderr)
+            return result
+        if LAST_OUTCOME.get("started"):
+            raise
+        why = unavailable_paragraph(f"Prefect could not record the run ({type(error).__name__}: {error})")
+        if tracking_wanted(args)[1]:
+            raise UsageError(f"{why} Tracking was asked for explicitly, so the training was not started.") from None
+        print(f"warning: {why} Running untracked this time.", file=sys.stderr, flush=True)
+        return _untracked(options, plan)
 
 
 def _raw_echo(label: str, line: str) -> None:

@@ -29,6 +29,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "prefect_accelerate.cli.validate_cmd",
     "prefect_accelerate.cli.fsdp2_cmd",
     "prefect_accelerate.cli.check_cmd",
+    "prefect_accelerate.cli.server_cmd",
 )
 
 DEBUG_ENV = "PREFECT_ACCELERATE_DEBUG"
@@ -62,8 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 1
     show_traceback = args.show_traceback or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    from prefect_accelerate.signals import sigterm_as_exception
+
     try:
-        code = func(args)
+        # SIGTERM unwinds like Ctrl-C, so every exit path runs its cleanup (a per-command Prefect server
+        # included); Prefect's flow engine, which takes SIGTERM over during a flow, hands it back to this one
+        with sigterm_as_exception():
+            code = func(args)
     except PrefectAccelerateError as error:
         if show_traceback:
             raise

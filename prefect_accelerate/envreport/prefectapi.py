@@ -4,7 +4,7 @@ Importing prefect costs seconds, and `env` must stay fast and work without a ser
 its settings from, in priority order: the environment, a `.env` file in the working directory,
 `prefect.toml`, `pyproject.toml` ([tool.prefect]), then the active profile of its profiles file. We
 read the same places for the one setting `env` reports, PREFECT_API_URL. Unset everywhere means the
-embedded ephemeral server (DESIGN.md §4, "Prefect").
+long-lived local server of PREFECT_HOME (localserver.py; DESIGN.md §4, "Prefect").
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
         _toml = None  # type: ignore[assignment]
 
 API_URL_SETTING = "PREFECT_API_URL"
-EPHEMERAL = "ephemeral (embedded local server)"
+EPHEMERAL = "none set: the local Prefect server of PREFECT_HOME (prefect-accelerate server status)"
 
 
 @dataclass(frozen=True)

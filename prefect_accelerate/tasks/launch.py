@@ -11,7 +11,9 @@ import threading
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import TerminationSignal
 
+from prefect_accelerate.errors import Terminated
 from prefect_accelerate.launchers import plan_launch
 from prefect_accelerate.launchers.options import LaunchOptions
 from prefect_accelerate.launchers.plan import LaunchPlan
@@ -20,6 +22,11 @@ from prefect_accelerate.launchers.process import GRACE_SECONDS
 from prefect_accelerate.launchers.result import LaunchResult
 
 RESULT_ARTIFACT_KEY = "launch-result"
+
+#: how the last launch of this process ended, read by the CLI when its Prefect server went away mid-launch
+#: ("started", then "result": the LaunchResult, or "interrupted": 130 / 143); the training's outcome must not
+#: depend on the server
+LAST_OUTCOME: dict[str, object] = {}
 
 
 def _launch_run_name() -> str:
@@ -122,13 +129,23 @@ def launch(
     def log_line(label: str, line: str) -> None:
         logger.info("[%s] %s", label, line)
 
-    result = execute(
-        plan,
-        on_line=log_line,
-        timeout=timeout if timeout is not None else (options.timeout if options is not None else None),
-        grace=grace_period if grace_period is not None else (options.grace_period if options is not None else GRACE_SECONDS),
-        flow_run_id=str(flow_run.id) if flow_run.id else None,
-        task_run_id=str(task_run.id) if task_run.id else None,
-    )
+    LAST_OUTCOME.clear()
+    LAST_OUTCOME["started"] = True
+    try:
+        result = execute(
+            plan,
+            on_line=log_line,
+            timeout=timeout if timeout is not None else (options.timeout if options is not None else None),
+            grace=grace_period if grace_period is not None else (options.grace_period if options is not None else GRACE_SECONDS),
+            flow_run_id=str(flow_run.id) if flow_run.id else None,
+            task_run_id=str(task_run.id) if task_run.id else None,
+        )
+    except KeyboardInterrupt:
+        LAST_OUTCOME["interrupted"] = 130
+        raise
+    except (TerminationSignal, Terminated):
+        LAST_OUTCOME["interrupted"] = 143
+        raise
+    LAST_OUTCOME["result"] = result
     create_markdown_artifact(key=RESULT_ARTIFACT_KEY, markdown=result_markdown(plan, result), description=f"Training {'succeeded' if result.succeeded else 'failed'}: {plan.launcher}, {plan.num_processes} process(es)")
     return result.raise_for_failure()

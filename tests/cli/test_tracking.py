@@ -11,7 +11,7 @@ import yaml
 from prefect.logging.configuration import setup_logging
 
 from prefect_accelerate.cli.main import main
-from prefect_accelerate.cli.tracking import TRACK_ENV, should_track
+from prefect_accelerate.cli.tracking import TRACK_ENV, should_track, tracking_wanted
 from prefect_accelerate.errors import UsageError
 
 
@@ -27,19 +27,19 @@ def args(track=None, default=False) -> argparse.Namespace:
 @pytest.mark.parametrize("setting", ["always", "never", "auto"])
 def test_the_flag_wins_over_the_environment_and_the_default(monkeypatch, setting):
     monkeypatch.setenv(TRACK_ENV, setting)
-    assert should_track(args(track=True, default=False)) is True
-    assert should_track(args(track=False, default=True)) is False
+    assert tracking_wanted(args(track=True, default=False)) == (True, True)
+    assert tracking_wanted(args(track=False, default=True)) == (False, False)
 
 
 def test_the_environment_setting_decides_when_no_flag_is_given(monkeypatch):
     monkeypatch.setenv(TRACK_ENV, "always")
-    assert should_track(args(default=False)) is True
+    assert tracking_wanted(args(default=False)) == (True, True)  # asked for explicitly
     monkeypatch.setenv(TRACK_ENV, "never")
-    assert should_track(args(default=True)) is False
+    assert tracking_wanted(args(default=True)) == (False, False)
     monkeypatch.setenv(TRACK_ENV, " Auto ")
-    assert should_track(args(default=True)) is True and should_track(args(default=False)) is False
+    assert tracking_wanted(args(default=True)) == (True, False) and tracking_wanted(args(default=False)) == (False, False)
     monkeypatch.delenv(TRACK_ENV)
-    assert should_track(args(default=True)) is True and should_track(args(default=False)) is False
+    assert tracking_wanted(args(default=True)) == (True, False) and tracking_wanted(args(default=False)) == (False, False)
 
 
 def test_a_bad_setting_names_the_variable_and_the_choices(monkeypatch, capfd):

@@ -96,7 +96,7 @@ def test_text_says_when_accelerate_is_not_installed_and_an_engine_does_not_impor
 def test_text_names_the_api_url_and_where_it_came_from():
     text = render_text(sample_report(prefect_api_url="http://127.0.0.1:4200/api", prefect_api_source="the environment variable PREFECT_API_URL"))
     assert "- Prefect API URL: http://127.0.0.1:4200/api (from the environment variable PREFECT_API_URL)" in text
-    assert "- Prefect API URL: ephemeral (embedded local server)" in render_text(sample_report(prefect_api_url=None))
+    assert "- Prefect API URL: none set: the local Prefect server of PREFECT_HOME" in render_text(sample_report(prefect_api_url=None))
 
 
 def test_markdown_has_a_fact_table_and_a_config_table(tmp_path):

@@ -48,7 +48,7 @@ def test_sigterm_to_the_tracked_cli_ends_every_worker(tmp_path):
 
 
 def test_a_deadline_under_the_flow_stops_everything(tmp_path):
-    done = subprocess.run([*CLI, "--timeout", "8", "--grace_period", "3", WORKER], env=tracked_env(tmp_path, "sleep"),
+    done = subprocess.run([*CLI, "--timeout", "20", "--grace_period", "3", WORKER], env=tracked_env(tmp_path, "sleep"),
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 124, done.stderr[-3000:]
     assert "deadline" in done.stderr

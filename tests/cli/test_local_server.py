@@ -1,0 +1,291 @@
+"""The long-lived local Prefect server and tracking that never costs the training, with real processes:
+real `prefect server` processes under private PREFECT_HOMEs, real torchrun launches, real signals.
+
+Start-ups are kept few: the signal and concurrency tests use the session's server (tests/conftest.py, found
+by the commands through its record), one fresh PREFECT_HOME proves the lock and the reuse and is then killed
+under a running launch; a failing server and one per-command server cost one start each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers.processes import assert_all_gone, read_pids, wait_for_pids
+from prefect_accelerate import localserver
+
+pytestmark = pytest.mark.slow
+WORKER = str(Path(__file__).resolve().parent.parent / "launchers" / "scripts" / "worker.py")
+CLI = [sys.executable, "-m", "prefect_accelerate.cli.main"]
+LAUNCH = [*CLI, "launch", "--cpu", "--num_processes", "2", "--mixed_precision", "no", "--num_machines", "1", "--dynamo_backend", "no"]
+STEPS = """\
+import os, sys, time
+for step in range(int(sys.argv[1])):
+    print(f"step {step} of rank {os.environ['RANK']}", flush=True)
+    time.sleep(float(sys.argv[2]))
+sys.exit(int(sys.argv[3]))
+"""
+
+
+def env_for(home: Path, tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(home), PREFECT_ACCELERATE_STATE_DIR=str(tmp_path / "state"), COLUMNS="200", **extra)
+    return env
+
+
+def server_processes(home: Path) -> list[psutil.Process]:
+    """Every `prefect server start` running with this PREFECT_HOME."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if "server" in cmd and "start" in cmd and any(part.endswith("prefect") for part in cmd) and proc.environ().get("PREFECT_HOME") == str(home):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def flow_runs(url: str, flow_name: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[flow_name])))
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        return asyncio.run(read())
+
+
+def run_logs(url: str, flow_run_id: str) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        return "\n".join(log.message for log in asyncio.run(read()))
+
+
+def no_traceback_of_ours(text: str) -> bool:
+    """A traceback inside the training's own output (a log line labelled by the launcher) is the training's."""
+    return all("[torchrun]" in line or "[rank" in line for line in text.splitlines() if "Traceback" in line)
+
+
+@pytest.fixture(scope="module")
+def fresh_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    yield home
+    localserver.stop_server(home)
+
+
+def test_commands_started_together_start_exactly_one_server_and_later_ones_reuse_it(fresh_home, tmp_path):
+    env = env_for(fresh_home, tmp_path)
+    commands = [subprocess.Popen([*CLI, "env", "--track", "--no_import_check"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = [command.communicate(timeout=600) for command in commands]
+    assert [c.returncode for c in commands] == [0, 0, 0], [err[-2000:] for _, err in outputs]
+    started = [err for _, err in outputs if "Started a local Prefect server" in err]
+    assert len(started) == 1, [err[-1500:] for _, err in outputs]
+    record = localserver.read_record(fresh_home)
+    assert record is not None and record.state == "ready" and record.ui_url in started[0] and "server stop" in started[0]
+    assert [p.pid for p in server_processes(fresh_home)] == [record.pid]
+    # the server lives in a session of its own: a Ctrl-C in the terminal of a command never reaches it
+    assert os.getsid(record.pid) == record.keeper_pid != os.getsid(0)
+    runs = flow_runs(record.url, "env")
+    assert len(runs) == 3 and all(run.state.is_completed() for run in runs)
+
+    status = subprocess.run([*CLI, "server", "status"], env=env, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and f"pid {record.pid}" in status.stdout and "answering" in status.stdout
+    again = subprocess.run([*CLI, "env", "--no_import_check", "--track"], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "Started" not in again.stderr
+    assert localserver.read_record(fresh_home).pid == record.pid and len(flow_runs(record.url, "env")) == 4
+
+
+def test_a_launch_outlives_its_server_and_a_stale_record_is_replaced(fresh_home, tmp_path):
+    env = env_for(fresh_home, tmp_path)
+    # started (or found) by a command of its own: this test process must not hold the server in use
+    assert subprocess.run([*CLI, "server", "start"], env=env, capture_output=True, timeout=600).returncode == 0
+    record = localserver.read_record(fresh_home)
+    script = tmp_path / "steps.py"
+    script.write_text(STEPS)
+    launch = subprocess.Popen([*LAUNCH, str(script), "12", "1", "3"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    state = tmp_path / "state" / "launches"
+    deadline = time.monotonic() + 300
+    while not (state.exists() and any(state.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)
+    for pid in (record.keeper_pid, record.pid):  # the whole server goes away, as after an OOM kill
+        os.kill(pid, signal.SIGKILL)
+    out, err = launch.communicate(timeout=300)
+    assert launch.returncode == 3, err[-3000:]  # the training's own exit code
+    assert "stopped answering during the launch" in err and no_traceback_of_ours(out + err), err[-3000:]
+    assert "step 11 of rank 0" in out + err and "step 11 of rank 1" in out + err  # the console kept every line
+    logs = list((tmp_path / "state" / "runs").glob("*/launch.log"))
+    assert len(logs) == 1 and "step 11 of rank 1" in logs[0].read_text()  # and so did the run folder
+
+    status = subprocess.run([*CLI, "server", "status"], env=env, capture_output=True, text=True, timeout=120)
+    assert status.returncode == 1 and "is gone" in status.stdout
+    # the next command replaces the stale record; this one is told to stop after 3 s unused
+    start = subprocess.run([*CLI, "server", "start"], env={**env, localserver.IDLE_ENV: "0.05"}, capture_output=True, text=True, timeout=600)
+    assert start.returncode == 0 and start.stdout.startswith("Started"), start.stdout + start.stderr
+    fresh = localserver.read_record(fresh_home)
+    assert fresh is not None and fresh.pid != record.pid and localserver.healthy(fresh.url)
+    assert_all_gone([fresh.pid, fresh.keeper_pid], timeout=120)  # unused: stopped by its keeper
+    assert localserver.read_record(fresh_home) is None
+
+
+def test_no_server_in_time_runs_untracked_and_explicit_track_exits_2(tmp_path):
+    home = tmp_path / "home"
+    # a database that cannot be created: Prefect's server starts, fails its start-up and exits
+    env = env_for(home, tmp_path, PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/missing/dir/prefect.db",
+                  WORKER_PID_DIR=str(tmp_path / "pids"))
+    (tmp_path / "pids").mkdir()
+    done = subprocess.run([*LAUNCH, WORKER], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Tracking is not available: the local Prefect server" in done.stderr and "Running untracked" in done.stderr
+    assert "PREFECT_API_URL" in done.stderr and "server start" in done.stderr and "--no-track" in done.stderr
+    assert "sum 3.0" in done.stdout and "Traceback" not in done.stderr
+    assert len(read_pids(tmp_path / "pids")) == 2 and localserver.read_record(home) is None
+
+    for pid_file in (tmp_path / "pids").iterdir():
+        pid_file.unlink()
+    closed = f"http://127.0.0.1:{_closed_port()}/api"
+    for extra, argv in (({"PREFECT_API_URL": closed}, [*LAUNCH, "--track", WORKER]),
+                        ({"PREFECT_API_URL": closed, "PREFECT_ACCELERATE_TRACK": "always"}, [*LAUNCH, WORKER])):
+        refused = subprocess.run(argv, env={**env, **extra}, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "\nerror: Tracking is not available" in "\n" + refused.stderr and closed in refused.stderr
+        assert "nothing was started" in refused.stderr and "Traceback" not in refused.stderr
+        assert read_pids(tmp_path / "pids") == []  # no training process started
+
+
+def _end(process: subprocess.Popen) -> None:
+    """A command a failed assertion left running: SIGTERM (it ends its own training processes), then SIGKILL."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _latest_state(url: str, flow_name: str) -> tuple[str, str]:
+    run = max(flow_runs(url, flow_name), key=lambda r: r.created)
+    return run.state.type.value, run.state.message or ""
+
+
+@pytest.mark.parametrize(("how", "code", "reason"), [
+    ("sigint-group", 130, "interrupt signal"),
+    ("sigterm", 143, "termination signal"),
+])
+def test_a_signal_ends_every_process_and_the_run_crashes_with_the_reason(prefect_harness, session_root, tmp_path, how, code, reason):
+    env = env_for(session_root / "prefect-home", tmp_path, WORKER_MODE="sleep", WORKER_PID_DIR=str(tmp_path / "pids"))
+    (tmp_path / "pids").mkdir()
+    before = {p.pid for p in server_processes(session_root / "prefect-home")}
+    # a group of its own, as a terminal's foreground job; SIGINT as a shell gives it (a test run in the
+    # background of a shell would hand down SIGINT ignored)
+    cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        workers = wait_for_pids(tmp_path / "pids", 2)
+        tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
+        began = time.monotonic()
+        if how == "sigint-group":
+            os.killpg(cli.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        else:
+            cli.send_signal(signal.SIGTERM)
+        out, err = cli.communicate(timeout=120)
+    finally:
+        _end(cli)
+    assert cli.returncode == code, err[-3000:]
+    assert time.monotonic() - began < 5 + 30, "not within the grace period plus a few seconds"
+    assert "every process the command started was stopped" in err and no_traceback_of_ours(out + err), err[-3000:]
+    assert_all_gone([*workers, *tree], timeout=30)
+    state, message = _latest_state(prefect_harness.url, "launch")
+    assert state == "CRASHED" and reason in message
+    assert {p.pid for p in server_processes(session_root / "prefect-home")} == before  # the shared server stays
+
+
+def test_four_tracked_launches_and_a_validate_at_once_all_run_and_are_recorded(prefect_harness, session_root, tmp_path):
+    env = env_for(session_root / "prefect-home", tmp_path)
+    config = tmp_path / "cpu.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nmixed_precision: 'no'\nnum_machines: 1\n"
+                      "num_processes: 2\nuse_cpu: true\n")
+    before = len(flow_runs(prefect_harness.url, "launch"))
+    launches = [subprocess.Popen([*LAUNCH, "--run_dir", str(tmp_path / f"run{i}"), WORKER], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for i in range(4)]
+    validate = subprocess.Popen([*CLI, "validate", str(config), "--no_install_test"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    results = [(p, *p.communicate(timeout=900)) for p in [*launches, validate]]
+    for proc, out, err in results:
+        assert proc.returncode == 0, err[-3000:]
+        assert "sqlalchemy" not in err.lower() and "database is locked" not in err.lower(), err[-3000:]
+        assert no_traceback_of_ours(err), err[-3000:]
+    runs = [r for r in flow_runs(prefect_harness.url, "launch")]
+    assert len(runs) == before + 4 and all(r.state.is_completed() for r in sorted(runs, key=lambda r: r.created)[-4:])
+    for run in sorted(runs, key=lambda r: r.created)[-4:]:
+        assert "sum 3.0" in run_logs(prefect_harness.url, str(run.id))
+    assert any(r.state.is_completed() for r in flow_runs(prefect_harness.url, "validate-configs"))
+
+
+def test_a_per_command_server_ends_with_the_command_even_on_sigterm(tmp_path):
+    home = tmp_path / "home"
+    env = env_for(home, tmp_path, WORKER_MODE="sleep", WORKER_PID_DIR=str(tmp_path / "pids"), PREFECT_ACCELERATE_SERVER="ephemeral")
+    (tmp_path / "pids").mkdir()
+    cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = wait_for_pids(tmp_path / "pids", 2, timeout=600)
+        tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
+        servers = [p.pid for p in server_processes(home)]
+        assert len(servers) == 1 and servers[0] in tree and os.getsid(servers[0]) != os.getsid(cli.pid)
+        cli.send_signal(signal.SIGTERM)
+        _, err = cli.communicate(timeout=120)
+    finally:
+        _end(cli)
+    assert cli.returncode == 143 and no_traceback_of_ours(err), err[-3000:]
+    assert_all_gone([*workers, *tree], timeout=30)
+    assert localserver.read_record(home) is None  # nothing long-lived was started
+
+
+def test_the_record_of_a_server_is_read_safely_whatever_the_file_holds(tmp_path):
+    from hypothesis import given, settings, strategies as st
+
+    home = tmp_path / "home"
+    path = localserver.record_path(home)
+    path.parent.mkdir(parents=True)
+
+    @settings(max_examples=150, deadline=None)
+    @given(st.one_of(st.binary(max_size=200), st.dictionaries(st.text(max_size=12), st.one_of(st.integers(), st.text(max_size=20), st.none()),
+                                                           max_size=6).map(lambda d: json.dumps(d).encode())))
+    def check(content: bytes) -> None:
+        path.write_bytes(content)
+        record = localserver.read_record(home)
+        assert record is None or isinstance(record, localserver.ServerRecord)
+        if record is not None:
+            localserver.is_running(record)  # never raises on odd pids
+
+    check()
