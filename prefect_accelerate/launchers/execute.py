@@ -16,6 +16,7 @@ from prefect_accelerate.launchers.result import LaunchResult
 #: plan.launcher -> module with a `run` function
 REMOTE_RUNNERS: dict[str, str] = {
     "sagemaker": "prefect_accelerate.launchers.sagemaker",
+    "slurm": "prefect_accelerate.launchers.engines.slurm",
 }
 
 
