@@ -291,7 +291,8 @@ class SlurmJobRun:
             raise LaunchError(f"Slurm job {self.job_id} is still {job.state}: wait for it first.")
         update: dict = {}
         if self.srun_errors:
-            host, task, _ = next((e for e in self.srun_errors if "exit code 1" not in e[2]), self.srun_errors[0])
+            # the task that exited on its own failed first; the others were killed by srun --kill-on-bad-exit after it
+            host, task, _ = next((e for e in self.srun_errors if e[2].startswith("Exited")), self.srun_errors[0])
             update |= {"failed_node": host, "failed_node_rank": task}
         failures, _ = parse_rank_failures([_LABEL.sub("", line) for line in self.tail])
         if failures:
@@ -303,8 +304,8 @@ class SlurmJobRun:
                     update["error"] = self._redact(message.strip().splitlines()[-1])
                     update.setdefault("failed_node_rank", int(path.stem.rsplit("-", 1)[-1]))
                     break
-        if failures and job.exit_code in (1, None):
-            update["exit_code"] = failures[0].exit_code if failures[0].exit_code > 0 else job.exit_code
+        if failures and failures[0].exit_code > 0 and job.state != "COMPLETED":
+            update["exit_code"] = failures[0].exit_code  # the worker's own code (srun reports torchrun's 1 or a kill's 137)
         self.last = job.model_copy(update=update)
         return self.last
 
