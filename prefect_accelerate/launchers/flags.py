@@ -209,7 +209,7 @@ def _flags() -> tuple[LaunchFlag, ...]:
         F("slurm_account", ("--slurm_account",), slurm, "Slurm account to charge.", type=str, engine="slurm"),
         F("slurm_qos", ("--slurm_qos",), slurm, "Slurm quality of service.", type=str, engine="slurm"),
         F("slurm_gpus_per_node", ("--slurm_gpus_per_node",), slurm, "GPUs to allocate on each node (sbatch --gpus-per-node).", type=int, engine="slurm"),
-        F("slurm_sbatch_args", ("--slurm_sbatch_args",), slurm, "More sbatch options, as one quoted string (e.g. \"--exclusive --mem=0\").", type=str, engine="slurm"),
+        F("slurm_sbatch_args", ("--slurm_sbatch_args",), slurm, "More sbatch options as one string; write it with = since it starts with --: --slurm_sbatch_args=\"--exclusive --mem=0\".", type=str, engine="slurm"),
         F("slurm_block", ("--slurm_block",), slurm, "Name of a saved SlurmClusterBlock with the cluster's defaults.", type=str, engine="slurm"),
         F("slurm_pending_timeout", ("--slurm_pending_timeout",), slurm, "Cancel the job and fail (exit 2) if it is still pending after this many seconds.", type=float, engine="slurm"),
         F("aws_credentials_block", ("--aws_credentials_block",), aws, "Name of a saved AWS credentials block for SageMaker.", type=str, engine="sagemaker"),

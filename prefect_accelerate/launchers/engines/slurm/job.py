@@ -39,6 +39,12 @@ ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUE
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE")
 #: srun --label's "N: " (task id = node rank, one task per node), then torchrun's "[default3]:"
 _LABEL = re.compile(r"^\s*(?P<node>\d+): (?:\[(?P<role>[A-Za-z_][\w-]*?)(?P<rank>\d+)\]:)?")
+#: pending reasons that mean the job can never start as asked (Slurm keeps it queued regardless)
+NEVER_RUNS = frozenset({
+    "PartitionNodeLimit", "PartitionConfig", "PartitionTimeLimit", "PartitionDown", "PartitionInactive", "InvalidAccount",
+    "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed", "ReqNodeNotAvail", "BadConstraints", "AssocMaxNodesPerJobLimit",
+    "AssocMaxWallDurationPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit", "MaxNodesPerJob",
+})
 _SRUN_ERROR = re.compile(r"srun: error: (?P<host>\S+): task (?P<task>\d+): (?P<what>.*)")
 
 LineCallback = Callable[[str, str], None]
@@ -393,8 +399,15 @@ def run_job(plan: LaunchPlan, *, on_line: LineCallback | None = None, timeout: f
             with job_run:  # from here an exception (Ctrl-C, SIGTERM, a cancellation) cancels the job
                 write_record(SLURM_JOBS, record, {"job_id": job_run.job_id, "flow_run_id": flow_run_id, "task_run_id": task_run_id})
                 output("slurm", f"Submitted batch job {job_run.job_id}; output in {job_run.output_path}")
+                job = job_run.wait(timeout=pending_timeout, until=lambda j: j.state != "PENDING" or (j.reason or "").split(",")[0] in NEVER_RUNS)
+                if job.state == "PENDING" and (job.reason or "").split(",")[0] in NEVER_RUNS:
+                    job_run.stop()
+                    raise LaunchError(
+                        f"Slurm accepted job {job_run.job_id} but can never start it as asked (Slurm's reason: {job.reason}), so it "
+                        "was cancelled and nothing is left queued. Ask for at most the nodes, time and GPUs the partition allows "
+                        "(`sinfo -p PARTITION`, `scontrol show partition`), or another --slurm_partition/--slurm_account/--slurm_qos.",
+                        exit_code=USAGE_EXIT_CODE)
                 if pending_timeout:
-                    job = job_run.wait(timeout=pending_timeout, until=lambda j: j.state != "PENDING")
                     if job.state == "PENDING":
                         job_run.stop()
                         raise LaunchError(

@@ -151,3 +151,17 @@ def test_time_limit_is_reported_as_timeout(timeout_job):
     job = timeout_job.wait(timeout=JOB_SECONDS)
     assert job.state == "TIMEOUT"
     assert "started" in "\n".join(timeout_job.tail)
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    (["--slurm_partition", "nope"], "invalid partition"),
+    (["--slurm_partition", "small"], "can never start it"),  # 2 nodes asked, the partition has 1
+    (["--slurm_sbatch_args=--begin=now+3600", "--slurm_pending_timeout", "3"], "still pending after 3 s"),
+])
+def test_bad_requests_exit_2_with_slurms_reason_and_leave_nothing_queued(slurm_cluster, tmp_path, extra, expected):
+    before = _queue()
+    done = subprocess.run(_launch_args(tmp_path / "run", *extra), capture_output=True, text=True, timeout=JOB_SECONDS)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert expected in done.stderr.lower() or expected in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert _queue() == before
