@@ -81,3 +81,27 @@ def test_no_sbatch_on_path_is_one_paragraph_and_exit_2(tmp_path):
                           capture_output=True, text=True, env=env, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "`sbatch` was not found on PATH" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_slurm_deployment_plans_one_batch_job_over_two_nodes():
+    import yaml
+
+    from prefect_accelerate.flows.pipeline import launch_options
+    from prefect_accelerate.pipeline.models import PipelineRequest
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[4] / "deployments" / "prefect.yaml").read_text())
+    request = PipelineRequest.model_validate(next(d for d in spec["deployments"] if d["name"] == "slurm")["parameters"]["request"])
+    plan = slurm_plan(launch_options(request), StaticHost(), cwd="/project", run_dir="/shared/runs/r2")
+    assert plan.launcher == "slurm" and plan.num_machines == 2
+    assert "#SBATCH --time=00:30:00" in plan.files["/shared/runs/r2/slurm.sbatch"]
+
+
+def test_cluster_block_values_fill_in_what_flags_leave_out(monkeypatch):
+    from prefect_accelerate.launchers.engines.slurm import block
+
+    saved = {"partition": "gpu", "account": "ml", "setup_lines": ["module load cuda/12.4"], "sbatch_args": ["--exclusive"]}
+    monkeypatch.setattr(block, "load_cluster_block", lambda name: saved if name == "hpc" else {})
+    plan = _plan(["--num_machines", "2", "--num_processes", "2", "--slurm_block", "hpc", "--slurm_account", "other"])
+    script = plan.files["/shared/runs/r1/slurm.sbatch"]
+    assert "#SBATCH --partition=gpu" in script and "#SBATCH --account=other" in script and "#SBATCH --exclusive" in script
+    assert script.index("module load cuda/12.4") < script.index("srun ")
