@@ -165,3 +165,39 @@ def test_bad_requests_exit_2_with_slurms_reason_and_leave_nothing_queued(slurm_c
     assert expected in done.stderr.lower() or expected in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert _queue() == before
+
+
+def test_the_prefect_launch_task_follows_the_job_and_the_flows_cancel_hook_scancels_it(slurm_cluster, prefect_harness, tmp_path, monkeypatch):
+    import threading
+
+    from prefect import flow
+
+    from prefect_accelerate.errors import LaunchError
+    from prefect_accelerate.flows.launch import end_launch_processes
+    from prefect_accelerate.launchers.engines.slurm.job import SLURM_JOBS
+    from prefect_accelerate.launchers.state import read_records
+    from prefect_accelerate.tasks.launch import launch
+
+    monkeypatch.setenv("HANG_DIR", str(tmp_path))
+    plan = _plan(tmp_path / "run")
+    seen: dict = {}
+
+    def cancel_like_prefect_would() -> None:
+        seen["pids"] = _hang_pids(tmp_path)
+        records = read_records(SLURM_JOBS, this_host=False)
+        seen["record"] = records[0] if records else {}
+        run = type("FlowRun", (), {"id": seen["record"].get("flow_run_id")})()
+        end_launch_processes(None, run, None)  # what on_cancellation runs
+
+    @flow
+    def train():
+        return launch(plan=plan)
+
+    canceller = threading.Thread(target=cancel_like_prefect_would)
+    canceller.start()
+    with pytest.raises(LaunchError, match="CANCELLED"):
+        train()
+    canceller.join(timeout=60)
+    assert seen["record"].get("flow_run_id"), "the job was not recorded with its flow run"
+    assert _wait_gone(seen["pids"]) == []
+    assert SlurmJobRun(seen["record"]["job_id"]).describe().state == "CANCELLED"
