@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefect_accelerate.cli.main import build_parser
 from prefect_accelerate.errors import UsageError
 from prefect_accelerate.launchers.engines.slurm import plan as slurm_plan
+from prefect_accelerate.launchers.engines.slurm.job import SlurmJobRun
 from prefect_accelerate.launchers.host import StaticHost
 from prefect_accelerate.launchers.options import options_from_namespace
 
@@ -105,3 +108,20 @@ def test_cluster_block_values_fill_in_what_flags_leave_out(monkeypatch):
     script = plan.files["/shared/runs/r1/slurm.sbatch"]
     assert "#SBATCH --partition=gpu" in script and "#SBATCH --account=other" in script and "#SBATCH --exclusive" in script
     assert script.index("module load cuda/12.4") < script.index("srun ")
+
+
+_PLAN = _plan(CASES["two-nodes-cpu"])
+_SHOWN = _PLAN.describe() + _PLAN.to_json() + "".join(_PLAN.files.values())
+_SECRET = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126, blacklist_characters="*"), min_size=6, max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=_SECRET, name=st.sampled_from(["HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "HUGGING_FACE_HUB_TOKEN"]))
+def test_a_secret_variable_never_reaches_dry_run_output_scripts_or_the_handles_lines(value, name):
+    plan = _PLAN.model_copy(update={"env": {name: value}})
+    shown = plan.describe() + plan.to_json() + "".join(plan.files.values())
+    assert shown.count(value) == _SHOWN.count(value)  # only where the plan without the secret has that text anyway
+    lines: list[str] = []
+    job = SlurmJobRun("1", output=lambda label, line: lines.append(line), secrets=list(plan.env.values()))
+    job.emit("node 0 rank 0", f"token is {value}!")
+    assert value not in lines[0] and "***" in lines[0]
