@@ -134,6 +134,8 @@ class SlurmJobRun:
         self.last: SlurmJob | None = None
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.srun_errors: list[tuple[str, int, str]] = []
+        #: set by run_job when its deadline cancelled the job
+        self.timed_out = False
 
     # --- making one ----------------------------------------------------------------------------
 
@@ -365,6 +367,34 @@ def failure_text(job: SlurmJob) -> str | None:
     return text + (f": {job.error}" if job.error else "")
 
 
+def _follow(job_run: SlurmJobRun, output: LineCallback, timeout: float | None, grace: float, pending_timeout: float | None,
+            started: float) -> None:
+    """Wait for the job: refuse one that can never start or stays pending too long, cancel it at the deadline."""
+    job_run.timed_out = False
+    with job_run:  # an exception in here (Ctrl-C, SIGTERM, a cancellation) cancels the job
+        output("slurm", f"Submitted batch job {job_run.job_id}; output in {job_run.output_path}")
+        job = job_run.wait(timeout=pending_timeout, until=lambda j: j.state != "PENDING" or (j.reason or "").split(",")[0] in NEVER_RUNS)
+        if job.state == "PENDING" and (job.reason or "").split(",")[0] in NEVER_RUNS:
+            job_run.stop()
+            raise LaunchError(
+                f"Slurm accepted job {job_run.job_id} but can never start it as asked (Slurm's reason: {job.reason}), so it "
+                "was cancelled and nothing is left queued. Ask for at most the nodes, time and GPUs the partition allows "
+                "(`sinfo -p PARTITION`, `scontrol show partition`), or another --slurm_partition/--slurm_account/--slurm_qos.",
+                exit_code=USAGE_EXIT_CODE)
+        if pending_timeout:
+            if job.state == "PENDING":
+                job_run.stop()
+                raise LaunchError(
+                    f"Slurm job {job_run.job_id} was still pending after {pending_timeout:g} s (Slurm's reason: "
+                    f"{job.reason or 'none given'}), so it was cancelled and nothing is left queued. Ask for fewer or "
+                    "other resources, another partition, or a longer --slurm_pending_timeout.", exit_code=USAGE_EXIT_CODE)
+        remaining = None if timeout is None else max(timeout - (time.monotonic() - started), 0.0)
+        job_run.wait(timeout=remaining)
+        if not job_run.finished:
+            job_run.timed_out = True
+            job_run.stop(wait_seconds=max(grace, STOP_WAIT_SECONDS))
+
+
 def run_job(plan: LaunchPlan, *, on_line: LineCallback | None = None, timeout: float | None = None,
             grace: float = STOP_WAIT_SECONDS, flow_run_id: str | None = None, task_run_id: str | None = None,
             poll_seconds: float = POLL_SECONDS) -> SlurmLaunchResult:
@@ -396,30 +426,14 @@ def run_job(plan: LaunchPlan, *, on_line: LineCallback | None = None, timeout: f
         with sigterm_as_exception():
             job_run = SlurmJobRun.submit(plan, output=output, poll_seconds=poll_seconds)
             record = f"{Path(plan.run_dir or '.').name}-{job_run.job_id}"
-            with job_run:  # from here an exception (Ctrl-C, SIGTERM, a cancellation) cancels the job
-                write_record(SLURM_JOBS, record, {"job_id": job_run.job_id, "flow_run_id": flow_run_id, "task_run_id": task_run_id})
-                output("slurm", f"Submitted batch job {job_run.job_id}; output in {job_run.output_path}")
-                job = job_run.wait(timeout=pending_timeout, until=lambda j: j.state != "PENDING" or (j.reason or "").split(",")[0] in NEVER_RUNS)
-                if job.state == "PENDING" and (job.reason or "").split(",")[0] in NEVER_RUNS:
-                    job_run.stop()
-                    raise LaunchError(
-                        f"Slurm accepted job {job_run.job_id} but can never start it as asked (Slurm's reason: {job.reason}), so it "
-                        "was cancelled and nothing is left queued. Ask for at most the nodes, time and GPUs the partition allows "
-                        "(`sinfo -p PARTITION`, `scontrol show partition`), or another --slurm_partition/--slurm_account/--slurm_qos.",
-                        exit_code=USAGE_EXIT_CODE)
-                if pending_timeout:
-                    if job.state == "PENDING":
-                        job_run.stop()
-                        raise LaunchError(
-                            f"Slurm job {job_run.job_id} was still pending after {pending_timeout:g} s (Slurm's reason: "
-                            f"{job.reason or 'none given'}), so it was cancelled and nothing is left queued. Ask for fewer or "
-                            "other resources, another partition, or a longer --slurm_pending_timeout.", exit_code=USAGE_EXIT_CODE)
-                remaining = None if timeout is None else max(timeout - (time.monotonic() - started), 0.0)
-                job_run.wait(timeout=remaining)
-                if not job_run.finished:
-                    timed_out = True
-                    job_run.stop(wait_seconds=max(grace, STOP_WAIT_SECONDS))
-            remove_record(SLURM_JOBS, record)
+            # the record outlives this process only if it dies without running the finally below (SIGKILL): then the
+            # flow's cancellation hook still finds the job to cancel
+            write_record(SLURM_JOBS, record, {"job_id": job_run.job_id, "flow_run_id": flow_run_id, "task_run_id": task_run_id})
+            try:
+                _follow(job_run, output, timeout, grace, pending_timeout, started)
+            finally:
+                remove_record(SLURM_JOBS, record)
+            timed_out = job_run.timed_out
     finally:
         log.close()
     job = job_run.result()

@@ -33,8 +33,10 @@ PORT_VAR = "${PA_PORT}"
 SCRIPT_NAME = "slurm.sbatch"
 NODE_SCRIPT_NAME = "node.sh"
 OUTPUT_NAME = "slurm-%j.out"
-#: DeepSpeed multi-node launchers that make sense inside one allocation
-DEEPSPEED_KINDS = ("torchrun-deepspeed", "deepspeed-slurm")
+#: DeepSpeed launches that run inside one allocation: `standard` (torchrun on every node). DeepSpeed's own
+#: `slurm` launcher is refused for now: its runner checks ssh to the first host and passes --num_gpus on to
+#: srun as --gpus-per-node, neither of which a CPU test cluster has, so it is not proven here yet.
+DEEPSPEED_KINDS = ("torchrun",)
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -141,14 +143,18 @@ def node_plan(options, host: HostProbe, cwd: str, run_dir: str) -> LaunchPlan:
         # several machines always need torchrun; without GPUs asked for, the nodes run gloo on CPU
         gpus = node.accelerator_kind() not in (None, "mps")
         return plan_torchrun(inner, node, cwd, run_dir, cpu=not gpus)
-    plan = plan_launch(inner, node, cwd=cwd)
-    if plan.launcher.startswith("deepspeed-") and plan.launcher not in DEEPSPEED_KINDS:
+    ds_kind = None
+    if kind == "deepspeed":
+        from prefect_accelerate.launchers.deepspeed import launcher_kind
+
+        ds_kind = launcher_kind(inner)  # checked before planning: the others look for pdsh, mpirun or sinfo here
+    if ds_kind not in (None, *DEEPSPEED_KINDS):
         raise UsageError(
-            f"deepspeed_multinode_launcher {plan.launcher.removeprefix('deepspeed-')} starts processes over ssh or MPI; inside a Slurm "
-            "job use `standard` (torchrun on every node) or `slurm` (DeepSpeed's own srun). Set it with "
-            "--deepspeed_multinode_launcher or in the config file."
+            f"deepspeed_multinode_launcher {ds_kind} is not supported with --slurm (it starts the "
+            "processes itself, over ssh, MPI or its own srun); inside a Slurm job use `standard`, which runs torchrun with "
+            "DeepSpeed's environment on every node. Set --deepspeed_multinode_launcher standard or change it in the config file."
         )
-    return plan
+    return plan_launch(inner, node, cwd=cwd)
 
 
 def _shell_word(arg: str) -> str:
@@ -222,12 +228,8 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
     job_name = "pa-" + (_SAFE_NAME.sub("-", os.path.splitext(os.path.basename(options.training_script))[0]) or "launch")
     node_path = os.path.join(run_dir, NODE_SCRIPT_NAME)
     script_path = os.path.join(run_dir, SCRIPT_NAME)
-    if inner.launcher == "deepspeed-slurm":
-        # DeepSpeed's runner calls srun itself: run it once, on the head node
-        step = ["bash", node_path]
-    else:
-        step = ["srun", f"--nodes={machines}", f"--ntasks={machines}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-                "--label", "bash", node_path]
+    step = ["srun", f"--nodes={machines}", f"--ntasks={machines}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            "--label", "bash", node_path]
     argv = per_node_argv(inner, run_dir)
     files = {node_path: node_script(inner, argv, cwd, run_dir), script_path: batch_script(settings, machines, job_name, run_dir, host.python(), step)}
     for path, content in inner.files.items():

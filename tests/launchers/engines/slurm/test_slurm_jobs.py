@@ -125,6 +125,10 @@ def test_sigterm_on_the_cli_cancels_the_job(slurm_cluster, tmp_path):
     assert _wait_gone(pids) == [], out
     state = SlurmJobRun(job_id).describe().state
     assert state == "CANCELLED", out
+    from prefect_accelerate.launchers.engines.slurm.job import SLURM_JOBS
+    from prefect_accelerate.launchers.state import read_records
+
+    assert [r for r in read_records(SLURM_JOBS, this_host=False) if r["job_id"] == job_id] == [], "a stale job record was left"
 
 
 def test_stop_cancels_the_job_everywhere_and_an_attached_second_process_sees_it(slurm_cluster, tmp_path, monkeypatch):
@@ -184,10 +188,12 @@ def test_the_prefect_launch_task_follows_the_job_and_the_flows_cancel_hook_scanc
 
     def cancel_like_prefect_would() -> None:
         seen["pids"] = _hang_pids(tmp_path)
-        records = read_records(SLURM_JOBS, this_host=False)
+        records = [r for r in read_records(SLURM_JOBS, this_host=False) if r.get("flow_run_id")]
         seen["record"] = records[0] if records else {}
         run = type("FlowRun", (), {"id": seen["record"].get("flow_run_id")})()
         end_launch_processes(None, run, None)  # what on_cancellation runs
+        if not records:  # never leave the flow hanging on a job nobody cancels
+            subprocess.run(["scancel", "--name", plan.request["job_name"]])
 
     @flow
     def train():

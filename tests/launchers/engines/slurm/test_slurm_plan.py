@@ -125,3 +125,21 @@ def test_a_secret_variable_never_reaches_dry_run_output_scripts_or_the_handles_l
     job = SlurmJobRun("1", output=lambda label, line: lines.append(line), secrets=list(plan.env.values()))
     job.emit("node 0 rank 0", f"token is {value}!")
     assert value not in lines[0] and "***" in lines[0]
+
+
+def test_a_deepspeed_config_runs_deepspeeds_standard_launch_on_every_node():
+    plan = _plan(["--use_deepspeed", "--zero_stage", "2", "--deepspeed_multinode_launcher", "standard",
+                  "--num_machines", "2", "--num_processes", "2"])
+    node = plan.files["/shared/runs/r1/node.sh"]
+    assert plan.request["node_launcher"] == "torchrun-deepspeed"
+    assert "export ACCELERATE_USE_DEEPSPEED=true" in node and "export ACCELERATE_DEEPSPEED_ZERO_STAGE=2" in node
+    assert '--node_rank "${SLURM_NODEID}"' in node
+
+
+@pytest.mark.parametrize("launcher", ["pdsh", "slurm"])
+def test_deepspeed_launchers_that_start_processes_themselves_are_refused(launcher, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("n1 slots=1\nn2 slots=1\n")
+    with pytest.raises(UsageError, match="use `standard`"):
+        _plan(["--use_deepspeed", "--zero_stage", "2", "--deepspeed_multinode_launcher", launcher, "--deepspeed_hostfile",
+               str(hostfile), "--num_machines", "2", "--num_processes", "2"])
