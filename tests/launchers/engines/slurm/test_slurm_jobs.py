@@ -207,3 +207,14 @@ def test_the_prefect_launch_task_follows_the_job_and_the_flows_cancel_hook_scanc
     assert seen["record"].get("flow_run_id"), "the job was not recorded with its flow run"
     assert _wait_gone(seen["pids"]) == []
     assert SlurmJobRun(seen["record"]["job_id"]).describe().state == "CANCELLED"
+
+
+def test_the_launch_deadline_cancels_the_job_and_exits_124(slurm_cluster, tmp_path):
+    env = {**os.environ, "HANG_DIR": str(tmp_path)}
+    done = subprocess.run(_launch_args(tmp_path / "run", "--timeout", "5"), capture_output=True, text=True, timeout=JOB_SECONDS, env=env)
+    assert done.returncode == 124, done.stdout + done.stderr
+    job_id = re.search(r"Submitted batch job (\d+)", done.stdout).group(1)
+    assert SlurmJobRun(job_id).describe().state == "CANCELLED"
+    assert "deadline" in done.stderr and "Traceback" not in done.stderr
+    pids = [int(p) for f in tmp_path.glob("pids-*") for p in f.read_text().split()]
+    assert _wait_gone(pids) == []
