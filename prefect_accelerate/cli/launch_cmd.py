@@ -99,4 +99,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _raw_echo(label: str, line: str) -> None:
-    print(f"[{label}] {line}" if label.startswith("rank ") else line, flush=True)
+    print(f"[{label}] {line}" if label.startswith(("rank ", "node ")) else line, flush=True)

@@ -83,6 +83,7 @@ def test_two_node_training_ranks_agree_on_world_size_and_weights(slurm_cluster, 
     done = subprocess.run(_launch_args(tmp_path / "run"), capture_output=True, text=True, timeout=JOB_SECONDS)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = re.findall(r"rank=(\d) world=(\d) weights=(\S+) node=(\S+)", done.stdout)
+    assert re.search(r"^\[node 1 rank 1\] rank=1 world=2", done.stdout, re.M), "console lines are not labelled by node and rank"
     assert sorted(rank for rank, *_ in lines) == ["0", "1"], done.stdout
     assert {world for _, world, _, _ in lines} == {"2"}
     assert len({weights for _, _, weights, _ in lines}) == 1, "DDP ranks ended with different weights"
