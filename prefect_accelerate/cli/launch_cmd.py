@@ -133,4 +133,4 @@ def _tracked(args: argparse.Namespace, options, plan, quiet: bool):
 
 
 def _raw_echo(label: str, line: str) -> None:
-    print(f"[{label}] {line}" if label.startswith("rank ") else line, flush=True)
+    print(f"[{label}] {line}" if label.startswith(("rank ", "node ")) else line, flush=True)

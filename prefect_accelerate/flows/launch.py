@@ -26,7 +26,14 @@ def end_launch_processes(flow, flow_run, state) -> None:  # noqa: ARG001 - Prefe
         stopped = stop_recorded_jobs(str(flow_run.id))
     except Exception as error:  # a hook must not fail the others; say why the job may still run
         print(f"prefect-accelerate: could not stop recorded SageMaker jobs: {error}")
-    for what, items in (("leftover launch process(es)", ended), ("SageMaker job(s)", stopped)):
+    cancelled: list[str] = []
+    try:
+        from prefect_accelerate.launchers.engines.slurm.job import cancel_recorded_jobs
+
+        cancelled = cancel_recorded_jobs(str(flow_run.id))
+    except Exception as error:
+        print(f"prefect-accelerate: could not cancel recorded Slurm jobs: {error}")
+    for what, items in (("leftover launch process(es)", ended), ("SageMaker job(s)", stopped), ("Slurm job(s)", cancelled)):
         if not items:
             continue
         try:

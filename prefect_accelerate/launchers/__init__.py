@@ -22,6 +22,8 @@ from prefect_accelerate.launchers.plan import LaunchPlan
 
 def choose_launcher(options, host: HostProbe | None = None) -> str:
     """Which launcher Accelerate's decision tree picks for these options (plus our CPU multi-process rule)."""
+    if getattr(options, "slurm", False):
+        return "slurm"  # ours: the whole launch becomes one Slurm job (the engine plans each node's launch)
     if options.use_deepspeed and not options.cpu:
         return "deepspeed"
     if (options.use_fsdp or options.use_megatron_lm or options.multi_gpu) and not options.cpu:

@@ -72,6 +72,7 @@ def _flags() -> tuple[LaunchFlag, ...]:
         "options", "Hardware selection", "Resources", "Training paradigm", "Distributed processes",
         "TPU", "DeepSpeed", "FSDP", "Megatron-LM", "FP8", "AWS (SageMaker)", "MPI", "Parallelism config",
     )
+    slurm = "Slurm"
     flags = [
         F("config_file", ("--config_file",), top, "Config file to read defaults from (default: the default config, unless --cpu)."),
         F("quiet", ("-q", "--quiet"), top, "Print only the training output, not the launcher's stack traces.", kind="store_true"),
@@ -201,6 +202,16 @@ def _flags() -> tuple[LaunchFlag, ...]:
         F("tpu_project", ("--tpu_project",), tpu, "Google Cloud project of the pod (default: gcloud's).", type=str, engine="tpu"),
         F("tpu_block", ("--tpu_block",), tpu, "Name of a saved TpuPodBlock holding name, zone and project.", type=str, engine="tpu"),
         F("tpu_copy_script", ("--tpu_copy_script",), tpu, "Copy the training script (that one file) to every pod worker first (gcloud scp) and run it there; modules it imports must already be installed on the workers.", kind="store_true", default=False, engine="tpu"),
+        # ours: submit the launch to Slurm as one batch job (launchers/engines/slurm)
+        F("slurm", ("--slurm",), slurm, "Submit one Slurm batch job that runs this launch on every allocated node.", kind="store_true", default=False),
+        F("slurm_partition", ("--slurm_partition",), slurm, "Slurm partition (default: the block's, else Slurm's default).", type=str, engine="slurm"),
+        F("slurm_time", ("--slurm_time",), slurm, "Time limit, as sbatch --time (e.g. 04:00:00).", type=str, engine="slurm"),
+        F("slurm_account", ("--slurm_account",), slurm, "Slurm account to charge.", type=str, engine="slurm"),
+        F("slurm_qos", ("--slurm_qos",), slurm, "Slurm quality of service.", type=str, engine="slurm"),
+        F("slurm_gpus_per_node", ("--slurm_gpus_per_node",), slurm, "GPUs to allocate on each node (sbatch --gpus-per-node).", type=int, engine="slurm"),
+        F("slurm_sbatch_args", ("--slurm_sbatch_args",), slurm, "More sbatch options as one string; write it with = since it starts with --: --slurm_sbatch_args=\"--exclusive --mem=0\".", type=str, engine="slurm"),
+        F("slurm_block", ("--slurm_block",), slurm, "Name of a saved SlurmClusterBlock with the cluster's defaults.", type=str, engine="slurm"),
+        F("slurm_pending_timeout", ("--slurm_pending_timeout",), slurm, "Cancel the job and fail (exit 2) if it is still pending after this many seconds.", type=float, engine="slurm"),
         F("aws_credentials_block", ("--aws_credentials_block",), aws, "Name of a saved AWS credentials block for SageMaker.", type=str, engine="sagemaker"),
     ]
     return tuple(flags)

@@ -14,7 +14,7 @@ DEPLOYMENTS = {d["name"]: d for d in SPEC["deployments"]}
 
 
 def test_every_deployment_is_on_the_process_pool_and_names_an_existing_flow():
-    assert set(DEPLOYMENTS) == {"nightly", "on-demand", "per-node", "cluster"}
+    assert set(DEPLOYMENTS) == {"nightly", "on-demand", "slurm", "per-node", "cluster"}
     for deployment in DEPLOYMENTS.values():
         assert deployment["work_pool"]["name"] == "accelerate"
         path, function = deployment["entrypoint"].split(":")
@@ -48,6 +48,7 @@ def test_nightly_validation_is_scheduled_one_at_a_time_over_the_configs_folder()
     ("name", "model"),
     [
         ("on-demand", "prefect_accelerate.pipeline.models:PipelineRequest"),
+        ("slurm", "prefect_accelerate.pipeline.models:PipelineRequest"),
         ("cluster", "prefect_accelerate.flows.multinode:MultinodeRequest"),
     ],
 )

@@ -110,6 +110,9 @@ _LOCAL_RUN = "prefect_accelerate.launchers.process:run_plan"
 ENGINES: dict[str, Engine] = {
     engine.name: engine
     for engine in (
+        Engine("slurm", "prefect_accelerate.launchers.engines.slurm.plan:plan",
+               run="prefect_accelerate.launchers.engines.slurm.job:run_job",
+               submit="prefect_accelerate.launchers.engines.slurm.job:SlurmJobRun.submit"),
         Engine("deepspeed", "prefect_accelerate.launchers.engines.deepspeed.plan:plan"),
         Engine("torchrun", "prefect_accelerate.launchers.engines.torchrun:plan", routes=("torchrun-cpu",)),
         Engine("tpu", "prefect_accelerate.launchers.engines.tpu.plan:plan"),

@@ -1,0 +1,41 @@
+"""The training script the Slurm tests launch: DDP on gloo, one step; optional failure, hang and child processes.
+
+FAIL_RANK / FAIL_RANK_CODE: that rank raises (under torchrun's @record) so its error and code are reported.
+HANG_DIR: after the step every rank writes its pid and a double-forked `sleep`'s pid there, then hangs.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    ddp(torch.randn(8, 4) + rank).sum().backward()
+    torch.optim.SGD(ddp.parameters(), lr=0.1).step()
+    weights = sum(p.detach().sum().item() for p in model.parameters())
+    print(f"rank={rank} world={world} weights={weights:.6f} node={os.environ.get('SLURMD_NODENAME')}", flush=True)
+    if str(rank) == os.environ.get("FAIL_RANK"):
+        code = int(os.environ.get("FAIL_RANK_CODE", "1"))
+        raise SystemExit(code) if code != 1 else RuntimeError(f"rank {rank} broke on purpose")
+    hang = os.environ.get("HANG_DIR")
+    if hang:
+        escaped = subprocess.Popen(["setsid", "sleep", "1000"], start_new_session=True).pid
+        with open(os.path.join(hang, f"pids-{rank}"), "w") as out:
+            out.write(f"{os.getpid()} {escaped}\n")
+        time.sleep(1000)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
