@@ -106,7 +106,9 @@ def connect() -> str:
             raise localserver.ServerUnavailable(f"the Prefect server at PREFECT_API_URL={url} does not answer")
         return url
     if localserver.server_mode() == "ephemeral":
-        url = localserver.start_ephemeral()
+        from prefect_accelerate.localserver.ephemeral import start_ephemeral
+
+        url = start_ephemeral()
     else:
         record, started = localserver.ensure_server()
         url = record.url

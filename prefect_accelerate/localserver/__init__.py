@@ -383,10 +383,8 @@ def _await_gone(procs: list, timeout: float) -> None:
     psutil.wait_procs(procs, timeout=timeout)
 
 
-from prefect_accelerate.localserver.ephemeral import start_ephemeral  # noqa: E402  (re-exported)
-
 __all__ = [
     "IDLE_ENV", "MODE_ENV", "TIMEOUT_ENV", "ServerRecord", "ServerUnavailable", "configured_api_url", "ensure_server",
     "files_dir", "healthy", "is_running", "prefect_home", "probe", "reachable", "read_record", "record_path",
-    "server_mode", "start_ephemeral", "stop_server",
+    "server_mode", "stop_server",
 ]

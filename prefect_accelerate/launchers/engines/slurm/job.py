@@ -26,7 +26,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from prefect_accelerate.errors import USAGE_EXIT_CODE, LaunchError
-from prefect_accelerate.launchers.plan import LaunchPlan, Redactor
+from prefect_accelerate.launchers.plan import LaunchPlan
+from prefect_accelerate.secrets import Redactor
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, read_error_file
 from prefect_accelerate.launchers.state import read_records, remove_record, write_record
 

@@ -126,7 +126,7 @@ class _NodeHost(HostProbe):
 def node_plan(options, host: HostProbe, cwd: str, run_dir: str) -> LaunchPlan:
     """The launch one node runs, with the stand-in head address, port and rank 0."""
     from prefect_accelerate.launchers import choose_launcher, plan_launch
-    from prefect_accelerate.launchers.torchrun import plan_torchrun
+    from prefect_accelerate.launchers.engines.torchrun import plan_torchrun
 
     machines = int(options.num_machines or 1)
     settings_gpus = options.slurm_gpus_per_node
@@ -145,7 +145,7 @@ def node_plan(options, host: HostProbe, cwd: str, run_dir: str) -> LaunchPlan:
         return plan_torchrun(inner, node, cwd, run_dir, cpu=not gpus)
     ds_kind = None
     if kind == "deepspeed":
-        from prefect_accelerate.launchers.deepspeed import launcher_kind
+        from prefect_accelerate.launchers.engines.deepspeed.plan import launcher_kind
 
         ds_kind = launcher_kind(inner)  # checked before planning: the others look for pdsh, mpirun or sinfo here
     if ds_kind not in (None, *DEEPSPEED_KINDS):

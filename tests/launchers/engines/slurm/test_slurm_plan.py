@@ -72,6 +72,7 @@ def test_dry_run_imports_neither_torch_nor_prefect(tmp_path):
     code = ("import sys; from prefect_accelerate.cli.main import main; "
             "rc = main(['launch', '--slurm', '--num_machines', '2', '--num_processes', '2', '--dry-run', 'train.py']); "
             "assert 'torch' not in sys.modules and 'prefect' not in sys.modules, 'heavy import'; sys.exit(rc)")
+    (tmp_path / "train.py").write_text("print('train')\n")  # a missing script is refused at plan time
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "srun --nodes=2" in done.stdout
@@ -79,6 +80,7 @@ def test_dry_run_imports_neither_torch_nor_prefect(tmp_path):
 
 def test_no_sbatch_on_path_is_one_paragraph_and_exit_2(tmp_path):
     env = {**os.environ, "PATH": os.path.dirname(sys.executable)}
+    (tmp_path / "train.py").write_text("print('train')\n")
     done = subprocess.run([sys.executable, "-m", "prefect_accelerate.cli.main", "launch", "--no-track", "--slurm", "--num_machines", "2",
                            "--num_processes", "2", "--run_dir", str(tmp_path / "run"), "train.py"],
                           capture_output=True, text=True, env=env, cwd=tmp_path)
