@@ -58,6 +58,7 @@ def captured(tmp_path_factory):
     for name, (flags, hosts, _) in CASES.items():
         cwd = tmp_path_factory.mktemp(name)
         (cwd / "hostfile").write_text(HOSTS[hosts])
+        (cwd / "train.py").write_text("print('train')\n")  # a missing script is refused at plan time
         port = _free_port()
         # a clean, fixed environment: DeepSpeed forwards every PYTHON*/MLFLOW*/UCX*/MV2* variable it sees
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "MLFLOW", "UCX", "MV2", "NCCL", "DS_"))}
