@@ -197,8 +197,10 @@ def run_plan(
                 log.write(line + "\n")
                 log.flush()
                 label, text = split_rank(line, label_default, first_rank)
-                if stopping.is_set() and label == label_default:
-                    continue  # torchrun's own SignalException traceback while we stop it: log file only
+                if stopping.is_set() and label == label_default and not text.startswith("[prefect-accelerate]"):
+                    # torchrun's own SignalException traceback while we stop it: log file only (a runner of
+                    # ours, such as the TPU pod runner, still says what it does while stopping)
+                    continue
                 tail.append(line)
                 if on_line is not None:
                     try:
