@@ -189,7 +189,9 @@ def _process(pid: int | None, create_time: float | None = None):
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None
-        if create_time is not None and abs(proc.create_time() - create_time) > 0.05:
+        # psutil adds the boot time to the start tick count, and two processes can read a boot time one second
+        # apart (the kernel rounds it): a margin of 2 s still tells a recycled pid from ours, which ran far longer
+        if create_time is not None and abs(proc.create_time() - create_time) > 2.0:
             return None
         return proc
     except psutil.Error:
