@@ -18,22 +18,17 @@ from prefect_accelerate.tasks.launch import launch
 
 def end_launch_processes(flow, flow_run, state) -> None:  # noqa: ARG001 - Prefect's hook signature
     """Hook: end whatever the launches of this flow run left behind (idempotent): local processes, remote jobs."""
-    ended = end_recorded_launches(str(flow_run.id))
-    stopped: list[str] = []
-    try:
-        from prefect_accelerate.launchers.engines.sagemaker.job import stop_recorded_jobs
+    from prefect_accelerate.launchers.engines import ENGINES
 
-        stopped = stop_recorded_jobs(str(flow_run.id))
-    except Exception as error:  # a hook must not fail the others; say why the job may still run
-        print(f"prefect-accelerate: could not stop recorded SageMaker jobs: {error}")
-    cancelled: list[str] = []
-    try:
-        from prefect_accelerate.launchers.engines.slurm.job import cancel_recorded_jobs
-
-        cancelled = cancel_recorded_jobs(str(flow_run.id))
-    except Exception as error:
-        print(f"prefect-accelerate: could not cancel recorded Slurm jobs: {error}")
-    for what, items in (("leftover launch process(es)", ended), ("SageMaker job(s)", stopped), ("Slurm job(s)", cancelled)):
+    found: list[tuple[str, list[str]]] = [("leftover launch process(es)", end_recorded_launches(str(flow_run.id)))]
+    for engine in ENGINES.values():
+        if engine.stop_recorded is None:
+            continue
+        try:
+            found.append((f"{engine.job_noun}(s)", engine.stopper()(str(flow_run.id))))
+        except Exception as error:  # a hook must not fail the others; say why the job may still run
+            print(f"prefect-accelerate: could not stop the recorded {engine.job_noun}s: {error}")
+    for what, items in found:
         if not items:
             continue
         try:
@@ -55,5 +50,21 @@ def _flow_run_name() -> str:
 
 @flow(name="launch", flow_run_name=_flow_run_name, on_cancellation=[end_launch_processes], on_crashed=[end_launch_processes])
 def launch_flow(options: LaunchOptions | None = None, plan: LaunchPlan | None = None) -> LaunchResult:
-    """Run one launch as a Prefect flow (what `prefect-accelerate launch` does when tracked)."""
-    return launch(options=options, plan=plan)
+    """Run one launch as a Prefect flow (what `prefect-accelerate launch` does when tracked).
+
+    A launch stopped at its deadline (`--timeout`) ends the flow run Cancelled, with the reason, rather than
+    Failed: the training did not fail, it was stopped as asked. The caller still gets the LaunchError
+    (exit code 124), as from an untracked launch.
+    """
+    from prefect.states import Cancelled
+
+    from prefect_accelerate.errors import LaunchError
+
+    try:
+        return launch(options=options, plan=plan)
+    except LaunchError as error:
+        result = getattr(error, "result", None)
+        if result is None or not result.timed_out:
+            raise
+        return Cancelled(message=f"Stopped by its deadline (--timeout) after {result.duration_s:.1f} s; every process "
+                         "the launch started was ended.", data=error)

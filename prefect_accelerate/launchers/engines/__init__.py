@@ -79,6 +79,11 @@ class Engine:
     submit: str | None = None
     #: other answers of `choose_launcher` this engine serves
     routes: tuple[str, ...] = ()
+    #: remote engines only: "module:function" taking a flow run id, stopping the jobs that run's launches
+    #: recorded and returning their names (the flow's on_cancellation/on_crashed hook calls it)
+    stop_recorded: str | None = None
+    #: what one of its jobs is called in messages ("SageMaker job")
+    job_noun: str = "job"
 
     @property
     def remote(self) -> bool:
@@ -93,6 +98,9 @@ class Engine:
 
     def submitter(self) -> Callable[..., JobHandle] | None:
         return _load(self.submit) if self.submit else None
+
+    def stopper(self) -> Callable[[str], list[str]] | None:
+        return _load(self.stop_recorded) if self.stop_recorded else None
 
 
 def _load(reference: str) -> Any:
@@ -112,13 +120,15 @@ ENGINES: dict[str, Engine] = {
     for engine in (
         Engine("slurm", "prefect_accelerate.launchers.engines.slurm.plan:plan",
                run="prefect_accelerate.launchers.engines.slurm.job:run_job",
-               submit="prefect_accelerate.launchers.engines.slurm.job:SlurmJobRun.submit"),
+               submit="prefect_accelerate.launchers.engines.slurm.job:SlurmJobRun.submit",
+               stop_recorded="prefect_accelerate.launchers.engines.slurm.job:cancel_recorded_jobs", job_noun="Slurm job"),
         Engine("deepspeed", "prefect_accelerate.launchers.engines.deepspeed.plan:plan"),
         Engine("torchrun", "prefect_accelerate.launchers.engines.torchrun:plan", routes=("torchrun-cpu",)),
         Engine("tpu", "prefect_accelerate.launchers.engines.tpu.plan:plan"),
         Engine("sagemaker", "prefect_accelerate.launchers.engines.sagemaker.plan:plan",
                run="prefect_accelerate.launchers.engines.sagemaker.job:run_job",
-               submit="prefect_accelerate.launchers.engines.sagemaker.job:SageMakerJobRun.from_plan"),
+               submit="prefect_accelerate.launchers.engines.sagemaker.job:SageMakerJobRun.from_plan",
+               stop_recorded="prefect_accelerate.launchers.engines.sagemaker.job:stop_recorded_jobs", job_noun="SageMaker job"),
         Engine("simple", "prefect_accelerate.launchers.engines.simple:plan"),
     )
 }

@@ -41,8 +41,12 @@ def test_every_engine_row_names_functions_that_meet_the_protocol(name):
     if engine.remote:
         assert {"on_line", "timeout", "grace", "flow_run_id", "task_run_id"} <= _keyword_only(engine.runner())
         assert callable(engine.submitter())
+        # the flow's cancellation hook stops a remote engine's recorded jobs through this column
+        stopper = engine.stopper()
+        assert callable(stopper) and list(inspect.signature(stopper).parameters)[:1] == ["flow_run_id"]
+        assert engine.job_noun != "job"
     else:
-        assert engine.runner() is run_plan and engine.submitter() is None
+        assert engine.runner() is run_plan and engine.submitter() is None and engine.stopper() is None
 
 
 def test_the_sagemaker_job_handle_has_every_member_of_the_job_handle_protocol():
