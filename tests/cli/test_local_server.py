@@ -198,17 +198,19 @@ def _latest_state(url: str, flow_name: str) -> tuple[str, str]:
     return run.state.type.value, run.state.message or ""
 
 
-@pytest.mark.parametrize(("how", "code", "reason"), [
-    ("sigint-group", 130, "interrupt signal"),
-    ("sigterm", 143, "termination signal"),
+@pytest.mark.parametrize(("how", "code", "final", "reason"), [
+    ("sigint-group", 130, "CRASHED", "interrupt signal"),
+    ("sigterm", 143, "CRASHED", "termination signal"),
+    ("timeout", 124, "CANCELLED", "deadline (--timeout)"),
 ])
-def test_a_signal_ends_every_process_and_the_run_crashes_with_the_reason(prefect_harness, session_root, tmp_path, how, code, reason):
+def test_a_signal_or_the_deadline_ends_every_process_and_the_run_with_the_reason(prefect_harness, session_root, tmp_path, how, code, final, reason):
     env = env_for(session_root / "prefect-home", tmp_path, WORKER_MODE="sleep", WORKER_PID_DIR=str(tmp_path / "pids"))
     (tmp_path / "pids").mkdir()
     before = {p.pid for p in server_processes(session_root / "prefect-home")}
     # a group of its own, as a terminal's foreground job; SIGINT as a shell gives it (a test run in the
     # background of a shell would hand down SIGINT ignored)
-    cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    deadline = ["--timeout", "25"] if how == "timeout" else []
+    cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", *deadline, WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         workers = wait_for_pids(tmp_path / "pids", 2)
@@ -216,17 +218,19 @@ def test_a_signal_ends_every_process_and_the_run_crashes_with_the_reason(prefect
         began = time.monotonic()
         if how == "sigint-group":
             os.killpg(cli.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
-        else:
+        elif how == "sigterm":
             cli.send_signal(signal.SIGTERM)
         out, err = cli.communicate(timeout=120)
     finally:
         _end(cli)
     assert cli.returncode == code, err[-3000:]
-    assert time.monotonic() - began < 5 + 30, "not within the grace period plus a few seconds"
-    assert "every process the command started was stopped" in err and no_traceback_of_ours(out + err), err[-3000:]
+    # done within the grace period plus a few seconds of the signal, or of the deadline (25 s from the start)
+    assert time.monotonic() - began < (25 if how == "timeout" else 0) + 5 + 30, "not within the grace period plus a few seconds"
+    stopped = "did not finish within its deadline" if how == "timeout" else "every process the command started was stopped"
+    assert stopped in err and no_traceback_of_ours(out + err), err[-3000:]
     assert_all_gone([*workers, *tree], timeout=30)
     state, message = _latest_state(prefect_harness.url, "launch")
-    assert state == "CRASHED" and reason in message
+    assert state == final and reason in message, (state, message)
     assert {p.pid for p in server_processes(session_root / "prefect-home")} == before  # the shared server stays
 
 
@@ -256,7 +260,8 @@ def test_a_per_command_server_ends_with_the_command_even_on_sigterm(tmp_path):
     home = tmp_path / "home"
     env = env_for(home, tmp_path, WORKER_MODE="sleep", WORKER_PID_DIR=str(tmp_path / "pids"), PREFECT_ACCELERATE_SERVER="ephemeral")
     (tmp_path / "pids").mkdir()
-    cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = ["--timeout", "25"] if how == "timeout" else []
+    cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", *deadline, WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         workers = wait_for_pids(tmp_path / "pids", 2, timeout=600)
         tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
