@@ -6,9 +6,12 @@ Set PREFECT_ACCELERATE_SCREENSHOT=<file.png> to also save the page as a picture 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -22,13 +25,80 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")]
 
 
-def _browser(url: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
-    profile = tmp_path / "chromium-profile"  # a fresh profile per call: nothing from an earlier run
-    shutil.rmtree(profile, ignore_errors=True)
-    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
-            "--window-size=1400,1000", "--virtual-time-budget=30000", *extra, url]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+class _Chromium:
+    """Headless Chromium driven over its DevTools protocol: open a page, then read what it shows as it renders.
+
+    A one-shot `--dump-dom` snapshots the page at a moment of its own choosing, which on a loaded machine can
+    be before Prefect's UI has drawn the run; here the test waits (in real time) for the text it looks for.
+    """
+
+    def __init__(self, tmp_path: Path):
+        self.profile = tmp_path / "chromium-profile"  # a fresh profile: nothing from an earlier run
+        shutil.rmtree(self.profile, ignore_errors=True)
+        self.process = subprocess.Popen(
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={self.profile}",
+             "--window-size=1400,1000", "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.next_id = 0
+        self.socket = None
+
+    def __enter__(self) -> _Chromium:
+        import json
+        import urllib.request
+
+        from websockets.sync.client import connect
+
+        active = self.profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 120
+        while not (active.exists() and active.read_text().strip()):
+            assert self.process.poll() is None and time.monotonic() < deadline, "chromium did not start"
+            time.sleep(0.2)
+        port = int(active.read_text().split()[0])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=30) as answer:
+            pages = [t for t in json.load(answer) if t["type"] == "page"]
+        self.socket = connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.socket is not None:
+            self.socket.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def call(self, method: str, **params):
+        import json
+
+        self.next_id += 1
+        self.socket.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:  # events arrive in between; the answer carries our id
+            message = json.loads(self.socket.recv(timeout=60))
+            if message.get("id") == self.next_id:
+                assert "error" not in message, message
+                return message["result"]
+
+    def text_once_shown(self, url: str, wanted: list[str], seconds: float = 120) -> str:
+        """The page's title and visible text once all of `wanted` appear in it (or what it showed at the end)."""
+        self.call("Page.navigate", url=url)
+        deadline, text = time.monotonic() + seconds, ""
+        while time.monotonic() < deadline:
+            answer = self.call("Runtime.evaluate", expression="document.title + '\\n' + (document.body ? document.body.innerText : '')",
+                               returnByValue=True)
+            text = answer["result"].get("value") or ""
+            if all(item in text for item in wanted):
+                break
+            time.sleep(1.0)
+        return text
+
+    def screenshot(self, path: str) -> None:
+        import base64
+
+        Path(path).write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
 
 
 def test_the_run_page_shows_the_run_its_steps_and_gate_artifacts(tmp_path, monkeypatch):
@@ -53,11 +123,12 @@ def test_the_run_page_shows_the_run_its_steps_and_gate_artifacts(tmp_path, monke
         assert state.is_completed(), state.message
         flow_run = server.flow_run(str(state.state_details.flow_run_id))
         page = f"{server.url.removesuffix('/api')}/runs/flow-run/{flow_run.id}"
-        dom = _browser(page, tmp_path, "--dump-dom").stdout
-        assert f"<title>Flow Run: {flow_run.name} " in dom, dom[:2000]
         # the graph itself is a canvas; the page's text names each step's task run (the log rows under it)
-        for text in ("config-cpu.yaml", "env-cpu.yaml", "launch-torchrun"):
-            assert text in dom, text
-        picture = os.environ.get("PREFECT_ACCELERATE_SCREENSHOT")
-        if picture:
-            _browser(page, tmp_path, f"--screenshot={picture}")
+        wanted = [f"Flow Run: {flow_run.name}", "config-cpu.yaml", "env-cpu.yaml", "launch-torchrun"]
+        with _Chromium(tmp_path) as browser:
+            text = browser.text_once_shown(page, wanted)
+            for item in wanted:
+                assert item in text, (item, text[:2000])
+            picture = os.environ.get("PREFECT_ACCELERATE_SCREENSHOT")
+            if picture:
+                browser.screenshot(picture)
