@@ -7,6 +7,10 @@ Importing this package imports Prefect. The business logic lives in the core pac
 from __future__ import annotations
 
 from prefect_accelerate._lazy import lazy_getattr
+from prefect_accelerate.tasks import expected_errors
+
+# a failed training or a bad config is logged by Prefect as its message, not as a traceback
+expected_errors.install()
 
 _EXPORTS = {
     "config_default": "prefect_accelerate.tasks.config",

@@ -260,8 +260,7 @@ def test_a_per_command_server_ends_with_the_command_even_on_sigterm(tmp_path):
     home = tmp_path / "home"
     env = env_for(home, tmp_path, WORKER_MODE="sleep", WORKER_PID_DIR=str(tmp_path / "pids"), PREFECT_ACCELERATE_SERVER="ephemeral")
     (tmp_path / "pids").mkdir()
-    deadline = ["--timeout", "25"] if how == "timeout" else []
-    cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", *deadline, WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         workers = wait_for_pids(tmp_path / "pids", 2, timeout=600)
         tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]

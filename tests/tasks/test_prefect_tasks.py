@@ -147,3 +147,33 @@ def test_secrets_never_reach_flow_parameters():
     options = build_launch_options("t.py", num_processes=1, aws_secret_access_key="abc-very-secret")
     assert "abc-very-secret" not in json.dumps(to_jsonable_python(options))
     assert os.environ.get("AWS_SECRET_ACCESS_KEY") != "abc-very-secret"
+
+
+def test_an_expected_failure_is_logged_as_its_message_and_a_bug_keeps_its_traceback(caplog):
+    """Prefect's engines log a raised exception with its traceback; ours (a failed training, a bad config) lose it."""
+    import logging
+
+    from prefect import flow, task
+
+    import prefect_accelerate.tasks  # noqa: F401  (installs the filter)
+
+    @task
+    def fails(error: Exception):
+        raise error
+
+    @flow
+    def runs(error: Exception):
+        fails(error)
+
+    records = {}
+    for error in (LaunchError("the training failed: rank 1 exited with code 4"), ValueError("a bug")):
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="prefect"):
+            state = runs(error, return_state=True)
+        assert state.is_failed()
+        records[type(error).__name__] = [r for r in caplog.records if r.name in ("prefect.task_runs", "prefect.flow_runs")
+                                         and r.levelno >= logging.ERROR]
+    assert records["LaunchError"] and records["ValueError"]
+    assert all(r.exc_info is None for r in records["LaunchError"])
+    assert any("rank 1 exited with code 4" in r.getMessage() for r in records["LaunchError"])
+    assert any(r.exc_info for r in records["ValueError"]), "a bug must keep its traceback"

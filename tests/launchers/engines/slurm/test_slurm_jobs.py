@@ -79,9 +79,14 @@ def timeout_job(slurm_cluster, tmp_path_factory):
     return SlurmJobRun(job_id, output_path=str(folder / f"out-{job_id}"), output=lambda label, line: None, poll_seconds=1.0)
 
 
+def _cluster_logs(cluster) -> str:
+    """What Slurm said, for a failure's message: the controller's and both nodes' last lines."""
+    return "\n".join(f"--- {name}:\n{cluster.log(name)[-1500:]}" for name in ("slurmctld", "slurmd-n1", "slurmd-n2"))
+
+
 def test_two_node_training_ranks_agree_on_world_size_and_weights(slurm_cluster, timeout_job, tmp_path):
     done = subprocess.run(_launch_args(tmp_path / "run"), capture_output=True, text=True, timeout=JOB_SECONDS)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + _cluster_logs(slurm_cluster)
     lines = re.findall(r"rank=(\d) world=(\d) weights=(\S+) node=(\S+)", done.stdout)
     assert re.search(r"^\[node 1 rank 1\] rank=1 world=2", done.stdout, re.M), "console lines are not labelled by node and rank"
     assert sorted(rank for rank, *_ in lines) == ["0", "1"], done.stdout
@@ -94,7 +99,7 @@ def test_two_node_training_ranks_agree_on_world_size_and_weights(slurm_cluster, 
 def test_failing_rank_exit_code_is_the_cli_exit_code_with_node_and_rank(slurm_cluster, tmp_path):
     env = {**os.environ, "FAIL_RANK": "1", "FAIL_RANK_CODE": "4"}
     done = subprocess.run(_launch_args(tmp_path / "run"), capture_output=True, text=True, timeout=JOB_SECONDS, env=env)
-    assert done.returncode == 4, done.stdout + done.stderr
+    assert done.returncode == 4, done.stdout[-3000:] + done.stderr[-3000:] + _cluster_logs(slurm_cluster)
     assert "Traceback" not in done.stderr
     assert "rank 1" in done.stderr and "node 1" in done.stderr, done.stderr
 

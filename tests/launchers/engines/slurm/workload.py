@@ -1,6 +1,8 @@
 """The training script the Slurm tests launch: DDP on gloo, one step; optional failure, hang and child processes.
 
-FAIL_RANK / FAIL_RANK_CODE: that rank raises (under torchrun's @record) so its error and code are reported.
+FAIL_RANK / FAIL_RANK_CODE: that rank raises (under torchrun's @record) so its error and code are reported;
+the other ranks are still at work when it does (a few seconds more), as a peer is when one rank breaks, so the
+failing node is the first to end and the others are stopped by srun after it.
 HANG_DIR: after the step every rank writes its pid and a double-forked `sleep`'s pid there, then hangs.
 """
 
@@ -28,6 +30,8 @@ def main() -> None:
     if str(rank) == os.environ.get("FAIL_RANK"):
         code = int(os.environ.get("FAIL_RANK_CODE", "1"))
         raise SystemExit(code) if code != 1 else RuntimeError(f"rank {rank} broke on purpose")
+    if os.environ.get("FAIL_RANK"):
+        time.sleep(20)  # still working; srun ends this node once the failing one has
     hang = os.environ.get("HANG_DIR")
     if hang:
         escaped = subprocess.Popen(["setsid", "sleep", "1000"], start_new_session=True).pid
