@@ -35,11 +35,13 @@ class _Chromium:
     def __init__(self, tmp_path: Path):
         self.profile = tmp_path / "chromium-profile"  # a fresh profile: nothing from an earlier run
         shutil.rmtree(self.profile, ignore_errors=True)
+        self.log = tmp_path / "chromium.log"
+        # --disable-dev-shm-usage: a container's small /dev/shm crashes the renderer and leaves a blank page
         self.process = subprocess.Popen(
-            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+            [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
              "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={self.profile}",
              "--window-size=1400,1000", "--remote-debugging-port=0", "--remote-debugging-address=127.0.0.1", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=self.log.open("w"), start_new_session=True)
         self.next_id = 0
         self.socket = None
 
@@ -52,7 +54,7 @@ class _Chromium:
         active = self.profile / "DevToolsActivePort"
         deadline = time.monotonic() + 120
         while not (active.exists() and active.read_text().strip()):
-            assert self.process.poll() is None and time.monotonic() < deadline, "chromium did not start"
+            assert self.process.poll() is None and time.monotonic() < deadline, f"chromium did not start: {self.said()}"
             time.sleep(0.2)
         port = int(active.read_text().split()[0])
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=30) as answer:
@@ -70,6 +72,10 @@ class _Chromium:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
+
+    def said(self) -> str:
+        """The end of what chromium printed (its own errors: a crashed renderer, a refused flag)."""
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
 
     def call(self, method: str, **params):
         import json
@@ -101,34 +107,28 @@ class _Chromium:
         Path(path).write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
 
 
-def test_the_run_page_shows_the_run_its_steps_and_gate_artifacts(tmp_path, monkeypatch):
-    from helpers import prefect_server
-
-    # the UI asks the server for its API address; it must be the port the server really listens on
-    port = prefect_server.free_port()
-    monkeypatch.setattr(prefect_server, "free_port", lambda: port)
-    monkeypatch.setenv("PREFECT_UI_API_URL", f"http://127.0.0.1:{port}/api")
+def test_the_run_page_shows_the_run_its_steps_and_gate_artifacts(prefect_harness, tmp_path, monkeypatch):
+    """On the session's long-lived local server, which serves Prefect's UI as a user's does (no extra start-up)."""
     monkeypatch.setenv("PREFECT_ACCELERATE_STATE_DIR", str(tmp_path / "state"))
     config = tmp_path / "cpu.yaml"
     config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nmixed_precision: 'no'\n")
     request = PipelineRequest(script=EXAMPLE, config_file=str(config), launch_flags={"dynamo_backend": "no"}, run_install_test=False)
 
-    with prefect_server.running_server(tmp_path / "prefect-home") as server:
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect_accelerate.flows.pipeline import launch_training
+    from prefect.client.orchestration import get_client
 
-        from prefect_accelerate.flows.pipeline import launch_training
-
-        with temporary_settings({PREFECT_API_URL: server.url}):
-            state = launch_training(request, return_state=True)
-        assert state.is_completed(), state.message
-        flow_run = server.flow_run(str(state.state_details.flow_run_id))
-        page = f"{server.url.removesuffix('/api')}/runs/flow-run/{flow_run.id}"
-        # the graph itself is a canvas; the page's text names each step's task run (the log rows under it)
-        wanted = [f"Flow Run: {flow_run.name}", "config-cpu.yaml", "env-cpu.yaml", "launch-torchrun"]
-        with _Chromium(tmp_path) as browser:
-            text = browser.text_once_shown(page, wanted)
-            for item in wanted:
-                assert item in text, (item, text[:2000])
-            picture = os.environ.get("PREFECT_ACCELERATE_SCREENSHOT")
-            if picture:
-                browser.screenshot(picture)
+    state = launch_training(request, return_state=True)
+    assert state.is_completed(), state.message
+    flow_run_id = str(state.state_details.flow_run_id)
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(flow_run_id)
+    page = f"{prefect_harness.url.removesuffix('/api')}/runs/flow-run/{flow_run.id}"
+    # the graph itself is a canvas; the page's text names each step's task run (the log rows under it)
+    wanted = [f"Flow Run: {flow_run.name}", "config-cpu.yaml", "env-cpu.yaml", "launch-torchrun"]
+    with _Chromium(tmp_path) as browser:
+        text = browser.text_once_shown(page, wanted)
+        for item in wanted:
+            assert item in text, (item, text[:2000], browser.said())
+        picture = os.environ.get("PREFECT_ACCELERATE_SCREENSHOT")
+        if picture:
+            browser.screenshot(picture)
