@@ -296,7 +296,7 @@ def ask_for_approval(request: PipelineRequest, report: PreflightReport, plan_jso
 def launch_training(request: PipelineRequest) -> PipelineResult:
     """Preflight, then (after approval, when asked for) the training launch in this flow's main thread."""
     from prefect_accelerate.launchers import plan_launch
-    from prefect_accelerate.tasks.launch import launch
+    from prefect_accelerate.tasks.launch import RESULT_ARTIFACT_KEY, launch
 
     logger = get_run_logger()
     report, runner = _run_preflight(request)
@@ -321,7 +321,7 @@ def launch_training(request: PipelineRequest) -> PipelineResult:
             summary("skipped", "not approved")
             return PipelineResult(preflight=report, launched=False, approved=False)
     # quoted: the launch's only edge is the DAG's (the last preflight step), not its arguments
-    state = launch(options=quote(options), plan=quote(plan), return_state=True,
+    state = launch(options=quote(options), plan=quote(plan), result_key=naming.artifact_key(RESULT_ARTIFACT_KEY, request), return_state=True,
                    wait_for=[_Finished(s) for s in [runner.last_state()] if s is not None])
     if not state.is_completed():
         error = state.result(raise_on_failure=False)

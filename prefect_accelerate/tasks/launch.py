@@ -93,6 +93,7 @@ def launch(
     plan: LaunchPlan | None = None,
     timeout: float | None = None,
     grace_period: float | None = None,
+    result_key: str = RESULT_ARTIFACT_KEY,
 ) -> LaunchResult:
     """Run a training launch and wait for it; raises LaunchError when it fails.
 
@@ -101,6 +102,7 @@ def launch(
         plan: an already made plan (what `--dry-run` showed).
         timeout: deadline in seconds (default: options.timeout).
         grace_period: SIGTERM-to-SIGKILL seconds (default: options.grace_period, else 20).
+        result_key: the result artifact's key (a pipeline gives its own, so its history is that pipeline's).
 
     Returns:
         The LaunchResult of a successful launch.
@@ -147,5 +149,5 @@ def launch(
         LAST_OUTCOME["interrupted"] = 143
         raise
     LAST_OUTCOME["result"] = result
-    create_markdown_artifact(key=RESULT_ARTIFACT_KEY, markdown=result_markdown(plan, result), description=f"Training {'succeeded' if result.succeeded else 'failed'}: {plan.launcher}, {plan.num_processes} process(es)")
+    create_markdown_artifact(key=result_key, markdown=result_markdown(plan, result), description=f"Training {'succeeded' if result.succeeded else 'failed'}: {plan.launcher}, {plan.num_processes} process(es)")
     return result.raise_for_failure()

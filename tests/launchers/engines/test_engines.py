@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import subprocess
@@ -49,14 +50,15 @@ def test_every_engine_row_names_functions_that_meet_the_protocol(name):
         assert engine.runner() is run_plan and engine.submitter() is None and engine.stopper() is None
 
 
-def test_the_sagemaker_job_handle_has_every_member_of_the_job_handle_protocol():
-    from prefect_accelerate.launchers.engines.sagemaker.job import SageMakerJobRun
-
+@pytest.mark.parametrize("handle", ["sagemaker.job:SageMakerJobRun", "slurm.job:SlurmJobRun"])
+def test_each_remote_job_handle_has_every_member_of_the_job_handle_protocol(handle):
+    module, _, name = handle.partition(":")
+    cls = getattr(importlib.import_module(f"prefect_accelerate.launchers.engines.{module}"), name)
     members = {n for n in vars(JobHandle) if not n.startswith("_")} | set(JobHandle.__annotations__)
     assert members == {"name", "status", "finished", "new_log_lines", "wait", "stop", "result"}
-    missing = [m for m in members - {"name"} if not hasattr(SageMakerJobRun, m)]
+    missing = [m for m in members - {"name"} if not hasattr(cls, m)]
     assert not missing
-    assert "self.name = name" in inspect.getsource(SageMakerJobRun.__init__)
+    assert "self.name = " in inspect.getsource(cls.__init__)
 
 
 def test_every_answer_of_choose_launcher_is_served_by_a_row():

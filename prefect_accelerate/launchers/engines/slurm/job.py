@@ -124,6 +124,7 @@ class SlurmJobRun:
     def __init__(self, job_id: str, *, output_path: str | None = None, output: LineCallback | None = None,
                  poll_seconds: float = POLL_SECONDS, secrets: list[str] | None = None, run_dir: str | None = None) -> None:
         self.job_id = str(job_id)
+        self.name = self.job_id  # the engine protocol's job name (launchers/engines JobHandle)
         self.output_path = output_path
         self.run_dir = run_dir
         self.poll_seconds = poll_seconds
@@ -207,6 +208,20 @@ class SlurmJobRun:
     @property
     def finished(self) -> bool:
         return self.state in FINAL
+
+    @property
+    def status(self) -> str:
+        """The engine protocol's status: Slurm's job state as last seen (PENDING, RUNNING, COMPLETED, ...)."""
+        return self.state
+
+    def new_log_lines(self) -> list[tuple[str, str]]:
+        """The engine protocol's output: (label, line) for each whole line written since the last call, redacted.
+        Reads the same output file as `poll`, so use one or the other to follow a job."""
+        out = []
+        for raw in self.new_lines():
+            label, line = self.label(raw)
+            out.append((label, self._redact(line)))
+        return out
 
     def emit(self, label: str, line: str) -> None:
         line = self._redact(line)

@@ -145,3 +145,17 @@ def test_deepspeed_launchers_that_start_processes_themselves_are_refused(launche
     with pytest.raises(UsageError, match="use `standard`"):
         _plan(["--use_deepspeed", "--zero_stage", "2", "--deepspeed_multinode_launcher", launcher, "--deepspeed_hostfile",
                str(hostfile), "--num_machines", "2", "--num_processes", "2"])
+
+
+def test_the_handle_reads_new_output_lines_labelled_and_redacted_without_a_cluster(tmp_path):
+    from prefect_accelerate.launchers.engines.slurm.job import SlurmJobRun
+
+    out = tmp_path / "slurm-7.out"
+    out.write_text("[prefect-accelerate] job 7 on n[1-2]\n1: [default0]:loss 0.5 token s3cret-value\n0: half a li")
+    job = SlurmJobRun("7", output_path=str(out), secrets=["s3cret-value"], run_dir=str(tmp_path))
+    assert (job.name, job.status) == ("7", "UNKNOWN")
+    assert job.new_log_lines() == [("slurm", "[prefect-accelerate] job 7 on n[1-2]"), ("node 1 rank 1", "loss 0.5 token ***")]
+    with out.open("a") as handle:
+        handle.write("ne\n")
+    assert job.new_log_lines() == [("node 0", "half a line")]  # a node's own line (no rank prefix)
+    assert job.new_log_lines() == []
