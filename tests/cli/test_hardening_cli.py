@@ -171,7 +171,8 @@ def test_special_files_as_configs_are_named_and_never_block(tmp_path):
     zero = tmp_path / "zero.yaml"
     zero.symlink_to("/dev/zero")
     for path, named in ((fifo, "named pipe (FIFO)"), (zero, "character device")):
-        for argv in (["launch", "--dry-run", "--config_file", str(path), "train.py"], ["config", "update", "--config_file", str(path)]):
+        for argv in (["launch", "--dry-run", "--config_file", str(path), "train.py"], ["config", "update", "--config_file", str(path)],
+                     ["env", "--config_file", str(path), "--no_import_check"]):
             done = cli(*argv, cwd=tmp_path, timeout=60)
             assert done.returncode == 2 and named in done.stderr and "Traceback" not in done.stderr, (argv, done.stderr)
 

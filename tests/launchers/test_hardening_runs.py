@@ -100,3 +100,18 @@ def test_a_run_or_state_folder_that_is_a_file_is_one_paragraph(tmp_path, blocker
     done = subprocess.run([*argv, str(script)], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and f"{afile} is a file, not a folder" in done.stderr
+
+
+def test_state_records_are_readable_by_their_owner_only(tmp_path, monkeypatch):
+    """The records a cancellation hook reads (pids, job ids, flow run ids) are no one else's business."""
+    from prefect_accelerate.launchers.state import read_records, write_record
+
+    monkeypatch.setenv("PREFECT_ACCELERATE_STATE_DIR", str(tmp_path / "state"))
+    old = os.umask(0o022)  # a permissive umask must not widen them
+    try:
+        path = write_record("launches", "r1", {"flow_run_id": "f1", "pids": [1]})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert [r["pids"] for r in read_records("launches", "f1")] == [[1]]
