@@ -129,6 +129,13 @@ def test_the_run_page_shows_the_run_its_steps_and_gate_artifacts(prefect_harness
         text = browser.text_once_shown(page, wanted)
         for item in wanted:
             assert item in text, (item, text[:2000], browser.said())
+        # the run's Artifacts tab lists every gate's artifact under this pipeline's key
+        from prefect_accelerate.pipeline.naming import artifact_key
+
+        keys = [artifact_key(kind, request) for kind in ("config-check", "env-report", "pipeline-summary", "launch-result")]
+        text = browser.text_once_shown(f"{page}?tab=Artifacts", keys)
+        for key in keys:
+            assert key in text, (key, text[:2000], browser.said())
         picture = os.environ.get("PREFECT_ACCELERATE_SCREENSHOT")
         if picture:
             browser.screenshot(picture)

@@ -6,9 +6,10 @@ An engine does two things with the same vocabulary (options -> plan -> run -> re
   HostProbe, starts nothing, and returns a frozen plan that `--dry-run` prints and golden files pin.
 - carrying a plan out. A local engine's plan is a command on this machine, and every local plan runs
   through the same supervisor (launchers/process.py `run_plan`), so such an engine has nothing more to
-  write. A remote engine (SageMaker) names its own `run(plan, **how) -> LaunchResult` (submit, follow the
-  job to its end, report) and `submit(plan) -> JobHandle`, a handle on the job with status, logs, stop
-  and result (`SageMakerJobRun`).
+  write. A remote engine (SageMaker, Slurm) names its own `run(plan, **how) -> LaunchResult` (submit,
+  follow the job to its end, report), `submit(plan) -> JobHandle`, a handle on the job with status, logs,
+  stop and result (`SageMakerJobRun`, `SlurmJobRun`), and `stop_recorded(flow_run_id)`, which stops the
+  jobs a cancelled or crashed flow run left behind.
 
 ENGINES is the table. `choose_launcher` (launchers/__init__.py) answers with a route, a row's name or
 one of its `routes`; `plan_launch` plans with that row and `execute` runs remote plans with it. Each
