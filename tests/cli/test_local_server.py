@@ -209,7 +209,7 @@ def test_a_signal_or_the_deadline_ends_every_process_and_the_run_with_the_reason
     before = {p.pid for p in server_processes(session_root / "prefect-home")}
     # a group of its own, as a terminal's foreground job; SIGINT as a shell gives it (a test run in the
     # background of a shell would hand down SIGINT ignored)
-    deadline = ["--timeout", "25"] if how == "timeout" else []
+    deadline = ["--timeout", "15"] if how == "timeout" else []
     cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", *deadline, WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            text=True, start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
@@ -224,8 +224,8 @@ def test_a_signal_or_the_deadline_ends_every_process_and_the_run_with_the_reason
     finally:
         _end(cli)
     assert cli.returncode == code, err[-3000:]
-    # done within the grace period plus a few seconds of the signal, or of the deadline (25 s from the start)
-    assert time.monotonic() - began < (25 if how == "timeout" else 0) + 5 + 30, "not within the grace period plus a few seconds"
+    # done within the grace period plus a few seconds of the signal, or of the deadline (15 s from the start)
+    assert time.monotonic() - began < (15 if how == "timeout" else 0) + 5 + 30, "not within the grace period plus a few seconds"
     stopped = "did not finish within its deadline" if how == "timeout" else "every process the command started was stopped"
     assert stopped in err and no_traceback_of_ours(out + err), err[-3000:]
     assert_all_gone([*workers, *tree], timeout=30)

@@ -15,7 +15,7 @@ import yaml
 from prefect_accelerate.config.update import update_config_file
 
 DRIVER = Path(__file__).resolve().parent / "crash_writer.py"
-RUNS = 50
+RUNS = 32
 
 
 def old_config() -> str:

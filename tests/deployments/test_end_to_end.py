@@ -3,11 +3,13 @@
 (machine 0 polls `default` and `accelerate-node-0`, machine 1 polls `accelerate-node-1`).
 
 Every training process writes its pid to a file; after a failure or a cancel the tests poll until
-each of them is gone. The module shares one server, one deploy and the two workers.
+each of them is gone. The module shares one server, one deploy and the two workers; a served flow
+(serve_project/, `flow.serve()`) is cancelled on the same server.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 POOL = "accelerate"
 EXAMPLE = "examples/ddp_allreduce.py"
 NODE_JOB = str(Path(__file__).resolve().parent / "scripts" / "node_job.py")
+SLEEPER = str(Path(__file__).resolve().parents[1] / "launchers" / "scripts" / "worker.py")
 QUIET = {"cpu": True, "num_processes": 4, "mixed_precision": "no", "dynamo_backend": "no", "rdzv_conf": "join_timeout=120"}
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -186,4 +189,26 @@ def test_cancelling_an_on_demand_training_run_ends_its_processes(cluster, tmp_pa
     server.cli("flow-run", "cancel", run)
     # the worker cancels the deployment's run; its cancellation hook and the launch task end both ranks
     assert_all_gone(started, timeout=60)
+    assert wait_for_state(server, run, FINAL, timeout=120) == "CANCELLED", server.logs(run)[-20:]
+
+
+def test_cancelling_a_served_launch_ends_its_processes(cluster, tmp_path):
+    """The same promise under `flow.serve()` (no worker): the served process runs the flow and its hook."""
+    import time
+
+    server = cluster.server
+    project = Path(__file__).resolve().parent / "serve_project"
+    server.start([sys.executable, "flows.py"], tmp_path / "serve.log", cwd=str(project))
+    deadline = time.monotonic() + 120
+    while server.cli("deployment", "inspect", "sleepy-launch/served", check=False).returncode != 0:
+        assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-2000:]
+        time.sleep(1)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    run = server.run_deployment("sleepy-launch/served", {"pid_dir": str(pids), "worker": SLEEPER})
+    started = wait_for_pids(pids, 2)
+    wait_for_state(server, run, {"RUNNING"})
+    server.cli("flow-run", "cancel", run)
+    # the task's own clean-up: SIGTERM to torchrun, 10 s of grace, then SIGKILL; well under Prefect's 30 s
+    assert_all_gone(started, timeout=45)
     assert wait_for_state(server, run, FINAL, timeout=120) == "CANCELLED", server.logs(run)[-20:]

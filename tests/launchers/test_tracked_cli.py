@@ -1,18 +1,18 @@
 """`prefect-accelerate launch` tracked (its default), as a user runs it: the CLI process runs the launch
 flow against a Prefect API (here the session's test server), and keeps the untracked path's promises:
-the worker's exit code, and no process left behind after SIGTERM or a deadline."""
+the worker's exit code. (SIGTERM, Ctrl-C and a deadline on a tracked launch: tests/cli/test_local_server.py,
+which also checks the flow run's final state and that no process is left.)"""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.processes import assert_all_gone, read_pids, wait_for_pids
+from helpers.processes import assert_all_gone, read_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prefect_harness")]
 WORKER = str(Path(__file__).resolve().parent / "scripts" / "worker.py")
@@ -34,24 +34,3 @@ def test_a_failing_rank_gives_its_exit_code_through_the_flow(tmp_path):
     assert "rank 1 exited with code 3" in done.stderr
     assert "Traceback (most recent call last)" not in done.stderr.split("error:")[-1]
     assert_all_gone(read_pids(tmp_path / "pids"))
-
-
-def test_sigterm_to_the_tracked_cli_ends_every_worker(tmp_path):
-    cli = subprocess.Popen([*CLI, WORKER], env=tracked_env(tmp_path, "sleep"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pids = wait_for_pids(tmp_path / "pids", 2)
-    cli.send_signal(signal.SIGTERM)
-    _, err = cli.communicate(timeout=90)
-    # Prefect marks the run Crashed and re-raises the signal, so the CLI ends by SIGTERM itself (untracked: exit 143)
-    assert cli.returncode in (143, -signal.SIGTERM), (cli.returncode, err[-3000:])
-    assert "Execution was aborted by a termination signal" in err
-    assert_all_gone(pids, timeout=30)
-
-
-def test_a_deadline_under_the_flow_stops_everything(tmp_path):
-    done = subprocess.run([*CLI, "--timeout", "20", "--grace_period", "3", WORKER], env=tracked_env(tmp_path, "sleep"),
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 124, done.stderr[-3000:]
-    assert "deadline" in done.stderr
-    pids = read_pids(tmp_path / "pids")
-    assert len(pids) == 2
-    assert_all_gone(pids)

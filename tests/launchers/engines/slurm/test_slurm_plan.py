@@ -122,7 +122,8 @@ _SECRET = st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126, bl
 def test_a_secret_variable_never_reaches_dry_run_output_scripts_or_the_handles_lines(value, name):
     plan = _PLAN.model_copy(update={"env": {name: value}})
     shown = plan.describe() + plan.to_json() + "".join(plan.files.values())
-    assert shown.count(value) == _SHOWN.count(value)  # only where the plan without the secret has that text anyway
+    # never more often than the plan without the secret has that text anyway (fewer: the redactor also blanks it there)
+    assert shown.count(value) <= _SHOWN.count(value)
     lines: list[str] = []
     job = SlurmJobRun("1", output=lambda label, line: lines.append(line), secrets=list(plan.env.values()))
     job.emit("node 0 rank 0", f"token is {value}!")

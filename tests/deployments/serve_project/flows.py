@@ -1,4 +1,4 @@
-"""A deployable flow that launches two sleeping workers; the cancellation tests cancel it."""
+"""A served flow that launches two sleeping workers; tests/deployments/test_end_to_end.py cancels it."""
 
 import os
 
