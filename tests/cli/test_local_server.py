@@ -293,3 +293,20 @@ def test_the_record_of_a_server_is_read_safely_whatever_the_file_holds(tmp_path)
             localserver.is_running(record)  # never raises on odd pids
 
     check()
+
+
+def test_a_server_we_start_sends_no_analytics_unless_the_users_settings_ask(tmp_path, monkeypatch):
+    """Keeper and per-command server both build their environment here; the suite itself runs with analytics
+    off, so the choice is checked directly: no setting -> --analytics-off and DO_NOT_TRACK; a setting in the
+    environment or in the active Prefect profile -> left as the user has it."""
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PREFECT_PROFILE", raising=False)
+    base = {"PATH": "/usr/bin", "PREFECT_API_URL": "http://elsewhere/api"}
+    env, flags = localserver._server_env(base)
+    assert flags == ["--analytics-off"] and env["DO_NOT_TRACK"] == "1" and "PREFECT_API_URL" not in env
+    env, flags = localserver._server_env({**base, "PREFECT_SERVER_ANALYTICS_ENABLED": "true"})
+    assert flags == [] and "DO_NOT_TRACK" not in env
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "profiles.toml").write_text('active = "mine"\n[profiles.mine]\nPREFECT_SERVER_ANALYTICS_ENABLED = "true"\n')
+    env, flags = localserver._server_env(base)
+    assert flags == [] and "DO_NOT_TRACK" not in env
