@@ -19,6 +19,7 @@ processes per node). What differs from running `deepspeed --launcher slurm` by h
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 from prefect_accelerate.errors import DependencyError, UsageError
@@ -94,7 +95,5 @@ def runner_plan(options, host: HostProbe, *, cwd: str, run_dir: str, gpus_per_no
 
 def hostfile_line(run_dir: str, per_node: int) -> str:
     """The batch script's line that writes the allocation's nodes as a DeepSpeed hostfile."""
-    import shlex
-
     return (f'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed \'s/$/ slots={per_node}/\' > '
             f"{shlex.quote(os.path.join(run_dir, HOSTFILE_NAME))} || exit 2")

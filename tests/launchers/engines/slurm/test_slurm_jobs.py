@@ -131,6 +131,18 @@ def test_deepspeeds_own_slurm_launcher_trains_on_both_nodes_with_one_world(slurm
     print(f"DeepSpeed slurm launcher: 2-node job took {took:.1f} s")
 
 
+def test_deepspeeds_slurm_launcher_reports_the_failing_ranks_exit_code_node_and_rank(slurm_cluster, tmp_path):
+    pytest.importorskip("deepspeed")
+    config = tmp_path / "ds_slurm.yaml"
+    config.write_text(DS_SLURM_CONFIG)
+    env = {**os.environ, "FAIL_RANK": "1", "FAIL_RANK_CODE": "3"}
+    argv = [*CLI, "launch", "--no-track", "--slurm", "--config_file", str(config), "--dynamo_backend", "no",
+            "--run_dir", str(tmp_path / "run"), str(DS_WORKLOAD)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=JOB_SECONDS, cwd=tmp_path, env=env)
+    assert done.returncode == 3, done.stdout[-4000:] + done.stderr[-3000:] + _cluster_logs(slurm_cluster)
+    assert "node 1 (n2)" in done.stderr and "rank 1" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_failing_rank_exit_code_is_the_cli_exit_code_with_node_and_rank(slurm_cluster, tmp_path):
     env = {**os.environ, "FAIL_RANK": "1", "FAIL_RANK_CODE": "4"}
     done = subprocess.run(_launch_args(tmp_path / "run"), capture_output=True, text=True, timeout=JOB_SECONDS, env=env)
