@@ -313,11 +313,15 @@ class SlurmJobRun:
         update: dict = {}
         if self.srun_errors:
             # the task that exited on its own failed first; the others were killed by srun --kill-on-bad-exit after it
-            host, task, _ = next((e for e in self.srun_errors if e[2].startswith("Exited")), self.srun_errors[0])
+            host, task, what = next((e for e in self.srun_errors if e[2].startswith("Exited")), self.srun_errors[0])
             per_node, tasks_are_ranks = self._layout()
             update |= {"failed_node": host, "failed_node_rank": task // per_node if tasks_are_ranks else task}
+            own_code = re.match(r"Exited with exit code (\d+)", what)
             if tasks_are_ranks:
                 update["failed_rank"] = task
+                if own_code and job.state != "COMPLETED":
+                    # srun exits with the highest code of its tasks: the peers it terminated (143) would hide the rank's own
+                    update["exit_code"] = int(own_code.group(1))
         failures, _ = parse_rank_failures([_LABEL.sub("", line) for line in self.tail])
         if failures:
             update["failed_rank"] = failures[0].rank

@@ -65,9 +65,10 @@ def test_output_of_deepspeeds_srun_is_labelled_by_node_and_rank_and_a_failing_ta
     assert job.label("3: rank 3 step 0") == ("node 1 rank 3", "rank 3 step 0")
     assert job.label("[prefect-accelerate] job 7") == ("slurm", "[prefect-accelerate] job 7")
     job.label("srun: error: n2: task 2: Exited with exit code 4")
-    job.last = SlurmJob(job_id="7", state="FAILED", exit_code=4)
+    job.label("srun: error: n1: task 0: Terminated")
+    job.last = SlurmJob(job_id="7", state="FAILED", exit_code=143)  # srun's highest task code: a terminated peer's
     result = job.result()
-    assert (result.failed_node, result.failed_node_rank, result.failed_rank) == ("n2", 1, 2)
+    assert (result.failed_node, result.failed_node_rank, result.failed_rank, result.exit_code) == ("n2", 1, 2, 4)
 
 
 @pytest.mark.slow
