@@ -1,7 +1,8 @@
 """The Slurm plan: an sbatch script and the command each node runs, as pure data (no sbatch is called).
 
-With torchrun (and DeepSpeed's `standard` launcher) the per-node command is the plan the torchrun or DeepSpeed launcher makes for `--num_machines N
---machine_rank R --main_process_ip HEAD --main_process_port PORT`, with three values left to the job:
+With torchrun (and DeepSpeed's `standard` launcher) the per-node command is the plan the torchrun or
+DeepSpeed launcher makes for `--num_machines N --machine_rank R --main_process_ip HEAD
+--main_process_port PORT`, with three values left to the job:
 the node rank (`$SLURM_NODEID`), the head address (the first node of the allocation, its NodeAddr) and
 the port (a free one, picked on the head node by the batch script before any node starts).
 
