@@ -260,8 +260,8 @@ def _check_runner_backend(launcher: str, host: HostProbe) -> None:
     )
 
 
-def runner_arguments(options, launcher: str, port: int) -> list[str]:
-    """The `deepspeed` arguments Accelerate builds, minus --num_gpus for the MPI launchers."""
+def runner_arguments(options, launcher: str, port: int, *, num_gpus: bool = True) -> list[str]:
+    """The `deepspeed` arguments Accelerate builds, minus --num_gpus for the MPI launchers (and when `num_gpus` is False)."""
     args = ["--hostfile", str(options.deepspeed_hostfile)]
     if launcher == "nossh":
         args += ["--node_rank", str(int(options.machine_rank or 0)), "--no_ssh"]
@@ -271,7 +271,7 @@ def runner_arguments(options, launcher: str, port: int) -> list[str]:
         args += ["--exclude", str(options.deepspeed_exclusion_filter)]
     elif options.deepspeed_inclusion_filter is not None:
         args += ["--include", str(options.deepspeed_inclusion_filter)]
-    elif launcher not in MPI_LAUNCHERS:
+    elif launcher not in MPI_LAUNCHERS and num_gpus:
         args += ["--num_gpus", str(int(options.num_processes) // int(options.num_machines))]
     if options.main_process_ip:
         args += ["--master_addr", str(options.main_process_ip)]

@@ -4,7 +4,9 @@
 `SlurmJobRun` is the handle on one batch job (Prefect's `JobRun`), made by `submit(plan)` or
 `attach(job_id)`. Its output is the job's output file (in the run folder, on the shared filesystem),
 read as it grows: `srun --label` puts the node rank in front of each line and torchrun the local rank,
-so each line is labelled `node N rank R`; the batch script's own lines are labelled `slurm`.
+so each line is labelled `node N rank R`; the batch script's own lines are labelled `slurm`. Under
+DeepSpeed's `slurm` launcher srun starts the ranks themselves, so its label is the rank and the node is
+the rank divided by the processes per node (srun's block layout, with --ntasks-per-node).
 
 `run_job(plan, ...)` is what `execute()` calls for a Slurm plan. A deadline, Ctrl-C, SIGTERM or a Prefect
 cancellation cancels the job (scancel) and waits for Slurm to end it on every node before the exception
@@ -242,20 +244,30 @@ class SlurmJobRun:
             if srun:
                 self.srun_errors.append((srun.group("host"), int(srun.group("task")), srun.group("what")))
             return "slurm", line
-        node = int(match.group("node"))
+        task = int(match.group("node"))
+        per_node, tasks_are_ranks = self._layout()
+        if tasks_are_ranks:
+            return f"node {task // per_node} rank {task}", line[match.end():]
         if match.group("rank") is None:
-            return f"node {node}", line[match.end():]
-        per_node = self._per_node()
-        return f"node {node} rank {node * per_node + int(match.group('rank'))}", line[match.end():]
+            return f"node {task}", line[match.end():]
+        return f"node {task} rank {task * per_node + int(match.group('rank'))}", line[match.end():]
 
-    def _per_node(self) -> int:
-        if not hasattr(self, "_nproc"):
-            self._nproc = 1
-            node_script = Path(self.run_dir or "", "node.sh")
+    def _layout(self) -> tuple[int, bool]:
+        """(processes per node, whether srun's task ids are the ranks), from the scripts in the run folder."""
+        if not hasattr(self, "_layout_found"):
+            per_node, tasks_are_ranks = 1, False
+            folder = Path(self.run_dir or "")
             with contextlib.suppress(OSError):
-                found = re.search(r"--nproc_per_node (\d+)", node_script.read_text())
-                self._nproc = int(found.group(1)) if found else 1
-        return self._nproc
+                found = re.search(r"--nproc_per_node (\d+)", (folder / "node.sh").read_text())
+                per_node = int(found.group(1)) if found else 1
+            if not (folder / "node.sh").exists():
+                with contextlib.suppress(OSError):
+                    script = (folder / "slurm.sbatch").read_text()
+                    tasks_are_ranks = "deepspeed.launcher.runner" in script  # DeepSpeed's own srun starts the ranks
+                    found = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", script, re.M)
+                    per_node = int(found.group(1)) if found and tasks_are_ranks else per_node
+            self._layout_found = (per_node, tasks_are_ranks)
+        return self._layout_found
 
     def new_lines(self) -> list[str]:
         """Whole lines appended to the job's output file since the last call."""
@@ -316,8 +328,15 @@ class SlurmJobRun:
         update: dict = {}
         if self.srun_errors:
             # the task that exited on its own failed first; the others were killed by srun --kill-on-bad-exit after it
-            host, task, _ = next((e for e in self.srun_errors if e[2].startswith("Exited")), self.srun_errors[0])
-            update |= {"failed_node": host, "failed_node_rank": task}
+            host, task, what = next((e for e in self.srun_errors if e[2].startswith("Exited")), self.srun_errors[0])
+            per_node, tasks_are_ranks = self._layout()
+            update |= {"failed_node": host, "failed_node_rank": task // per_node if tasks_are_ranks else task}
+            own_code = re.match(r"Exited with exit code (\d+)", what)
+            if tasks_are_ranks:
+                update["failed_rank"] = task
+                if own_code and job.state != "COMPLETED":
+                    # srun exits with the highest code of its tasks: the peers it terminated (143) would hide the rank's own
+                    update["exit_code"] = int(own_code.group(1))
         failures, _ = parse_rank_failures([_LABEL.sub("", line) for line in self.tail])
         if failures:
             update["failed_rank"] = failures[0].rank

@@ -1,7 +1,8 @@
 """The Slurm plan: an sbatch script and the command each node runs, as pure data (no sbatch is called).
 
-The per-node command is the plan the torchrun or DeepSpeed launcher makes for `--num_machines N
---machine_rank R --main_process_ip HEAD --main_process_port PORT`, with three values left to the job:
+With torchrun (and DeepSpeed's `standard` launcher) the per-node command is the plan the torchrun or
+DeepSpeed launcher makes for `--num_machines N --machine_rank R --main_process_ip HEAD
+--main_process_port PORT`, with three values left to the job:
 the node rank (`$SLURM_NODEID`), the head address (the first node of the allocation, its NodeAddr) and
 the port (a free one, picked on the head node by the batch script before any node starts).
 
@@ -9,6 +10,8 @@ Files, both in the run folder (which must be on a filesystem the nodes share):
 - `slurm.sbatch`: `#SBATCH` options, the cluster's setup lines, the head address and port, then one
   `srun` step with one task per node;
 - `node.sh`: the per-node launch, its non-secret environment and working directory.
+DeepSpeed's own `slurm` launcher is different (deepspeed_runner.py): the batch script writes a hostfile and
+runs DeepSpeed's runner once, with the launch's environment; the runner starts every rank with its own srun.
 Secret variables are never written: they reach the job through sbatch's own environment (sbatch
 exports the submitting environment by default), and dry-run output shows them as ***.
 """
@@ -33,10 +36,9 @@ PORT_VAR = "${PA_PORT}"
 SCRIPT_NAME = "slurm.sbatch"
 NODE_SCRIPT_NAME = "node.sh"
 OUTPUT_NAME = "slurm-%j.out"
-#: DeepSpeed launches that run inside one allocation: `standard` (torchrun on every node). DeepSpeed's own
-#: `slurm` launcher is refused for now: its runner checks ssh to the first host and passes --num_gpus on to
-#: srun as --gpus-per-node, neither of which a CPU test cluster has, so it is not proven here yet.
-DEEPSPEED_KINDS = ("torchrun",)
+#: DeepSpeed launches that run inside one allocation: `standard` (torchrun on every node) and DeepSpeed's own
+#: `slurm` (its runner, once, in the batch script). The others start processes over ssh or MPI.
+DEEPSPEED_KINDS = ("torchrun", "slurm")
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -53,8 +55,8 @@ class SlurmSettings:
     setup_lines: tuple[str, ...] = ()
     pending_timeout: float | None = None
 
-    def sbatch_options(self, machines: int, job_name: str, output: str) -> list[str]:
-        opts = [f"--job-name={job_name}", f"--nodes={machines}", "--ntasks-per-node=1", f"--output={output}", "--no-requeue"]
+    def sbatch_options(self, machines: int, job_name: str, output: str, tasks_per_node: int = 1) -> list[str]:
+        opts = [f"--job-name={job_name}", f"--nodes={machines}", f"--ntasks-per-node={tasks_per_node}", f"--output={output}", "--no-requeue"]
         for flag, value in (("partition", self.partition), ("time", self.time), ("account", self.account), ("qos", self.qos)):
             if value:
                 opts.append(f"--{flag}={value}")
@@ -151,9 +153,14 @@ def node_plan(options, host: HostProbe, cwd: str, run_dir: str) -> LaunchPlan:
     if ds_kind not in (None, *DEEPSPEED_KINDS):
         raise UsageError(
             f"deepspeed_multinode_launcher {ds_kind} is not supported with --slurm (it starts the "
-            "processes itself, over ssh, MPI or its own srun); inside a Slurm job use `standard`, which runs torchrun with "
-            "DeepSpeed's environment on every node. Set --deepspeed_multinode_launcher standard or change it in the config file."
+            "processes itself, over ssh or MPI); inside a Slurm job use `standard`, which runs torchrun with "
+            "DeepSpeed's environment on every node, or `slurm`, DeepSpeed's own srun launch. Set "
+            "--deepspeed_multinode_launcher standard (or slurm), or change it in the config file."
         )
+    if ds_kind == "slurm":
+        from prefect_accelerate.launchers.engines.slurm.deepspeed_runner import runner_plan
+
+        return runner_plan(inner, node, cwd=cwd, run_dir=run_dir, gpus_per_node=settings_gpus)
     return plan_launch(inner, node, cwd=cwd)
 
 
@@ -181,21 +188,27 @@ def per_node_argv(plan: LaunchPlan, run_dir: str) -> list[str]:
     return out
 
 
-def node_script(plan: LaunchPlan, argv: list[str], cwd: str, run_dir: str) -> str:
-    lines = ["#!/bin/bash", "# prefect-accelerate: the launch each node runs (srun starts it once per node)"]
+def launch_lines(plan: LaunchPlan, argv: list[str], cwd: str, run_dir: str) -> list[str]:
+    """The plan's non-secret environment, its working directory and its command, as bash lines."""
+    lines = []
     for name, value in plan.env.items():
         if plan.is_secret(name):
             continue  # carried by sbatch's environment, never written down
         if name == "TORCHELASTIC_ERROR_FILE":
             value = os.path.join(run_dir, f"error-node-{NODE_RANK}.json")
         lines.append(f"export {name}={_shell_word(value)}")
-    lines += [f"cd {shlex.quote(cwd)} || exit 2", "exec " + " ".join(_shell_word(a) for a in argv), ""]
-    return "\n".join(lines)
+    return [*lines, f"cd {shlex.quote(cwd)} || exit 2", "exec " + " ".join(_shell_word(a) for a in argv)]
 
 
-def batch_script(settings: SlurmSettings, machines: int, job_name: str, run_dir: str, python: str, node_command: list[str]) -> str:
+def node_script(plan: LaunchPlan, argv: list[str], cwd: str, run_dir: str) -> str:
+    lines = ["#!/bin/bash", "# prefect-accelerate: the launch each node runs (srun starts it once per node)"]
+    return "\n".join([*lines, *launch_lines(plan, argv, cwd, run_dir), ""])
+
+
+def batch_script(settings: SlurmSettings, machines: int, job_name: str, run_dir: str, python: str, step_lines: list[str],
+                 tasks_per_node: int = 1) -> str:
     output = os.path.join(run_dir, OUTPUT_NAME)
-    lines = ["#!/bin/bash", *(f"#SBATCH {opt}" for opt in settings.sbatch_options(machines, job_name, output))]
+    lines = ["#!/bin/bash", *(f"#SBATCH {opt}" for opt in settings.sbatch_options(machines, job_name, output, tasks_per_node))]
     lines += ["# written by prefect-accelerate: setup lines, then the head node's address and a free port there, then one step"]
     lines += list(settings.setup_lines)
     lines += [
@@ -206,7 +219,7 @@ def batch_script(settings: SlurmSettings, machines: int, job_name: str, run_dir:
         f"PA_PORT=$({shlex.quote(python)} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
         "export PA_HEAD_ADDR PA_PORT",
         'echo "[prefect-accelerate] job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; head node $PA_HEAD_NODE at $PA_HEAD_ADDR:$PA_PORT"',
-        " ".join(shlex.quote(a) for a in node_command),
+        *step_lines,
         "",
     ]
     return "\n".join(lines)
@@ -226,12 +239,15 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
     settings = settings_from(options)
     inner = node_plan(options.with_changes(slurm_gpus_per_node=settings.gpus_per_node), host, cwd, run_dir)
     job_name = "pa-" + (_SAFE_NAME.sub("-", os.path.splitext(os.path.basename(options.training_script))[0]) or "launch")
+    if inner.launcher == "deepspeed-slurm":
+        return _runner_job(inner, settings, host, machines, job_name, cwd, run_dir)
     node_path = os.path.join(run_dir, NODE_SCRIPT_NAME)
     script_path = os.path.join(run_dir, SCRIPT_NAME)
     step = ["srun", f"--nodes={machines}", f"--ntasks={machines}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
             "--label", "bash", node_path]
     argv = per_node_argv(inner, run_dir)
-    files = {node_path: node_script(inner, argv, cwd, run_dir), script_path: batch_script(settings, machines, job_name, run_dir, host.python(), step)}
+    files = {node_path: node_script(inner, argv, cwd, run_dir),
+             script_path: batch_script(settings, machines, job_name, run_dir, host.python(), [" ".join(shlex.quote(a) for a in step)])}
     for path, content in inner.files.items():
         files[path if os.path.isabs(path) else os.path.join(run_dir, path)] = content
     shown = " ".join(_shell_word(a) for a in argv)
@@ -252,5 +268,30 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
         request={
             "job_name": job_name, "node_launcher": inner.launcher, "sbatch_options": settings.sbatch_options(machines, job_name, os.path.join(run_dir, OUTPUT_NAME)),
             "setup_lines": list(settings.setup_lines), "pending_timeout": settings.pending_timeout, "nodes": nodes,
+        },
+    )
+
+
+def _runner_job(inner: LaunchPlan, settings: SlurmSettings, host: HostProbe, machines: int, job_name: str, cwd: str,
+                run_dir: str) -> LaunchPlan:
+    """The plan for DeepSpeed's `slurm` launcher: the batch script writes the hostfile and runs DeepSpeed's runner once."""
+    from prefect_accelerate.launchers.engines.slurm.deepspeed_runner import hostfile_line
+
+    per_node = int(inner.num_processes) // machines
+    output = os.path.join(run_dir, OUTPUT_NAME)
+    script_path = os.path.join(run_dir, SCRIPT_NAME)
+    steps = [hostfile_line(run_dir, per_node), *launch_lines(inner, list(inner.argv), cwd, run_dir)]
+    files = {**inner.files, script_path: batch_script(settings, machines, job_name, run_dir, host.python(), steps, per_node)}
+    return LaunchPlan(
+        launcher="slurm", argv=("sbatch", "--parsable", script_path),
+        env={k: v for k, v in inner.env.items() if inner.is_secret(k)}, cwd=cwd, secret_env=inner.secret_env,
+        num_processes=int(inner.num_processes), num_machines=machines, run_dir=run_dir, warnings=inner.warnings,
+        notes=(*inner.notes, "The batch script runs DeepSpeed's runner once; the head address and port are chosen in the job."),
+        files=files,
+        request={
+            "job_name": job_name, "node_launcher": inner.launcher,
+            "sbatch_options": settings.sbatch_options(machines, job_name, output, per_node),
+            "setup_lines": list(settings.setup_lines), "pending_timeout": settings.pending_timeout,
+            "command": " ".join(_shell_word(a) for a in inner.argv),
         },
     )

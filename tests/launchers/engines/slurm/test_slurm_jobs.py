@@ -17,6 +17,7 @@ from prefect_accelerate.launchers.engines.slurm.job import SlurmJobRun
 pytestmark = pytest.mark.slow
 
 WORKLOAD = Path(__file__).with_name("workload.py")
+DS_WORKLOAD = Path(__file__).with_name("ds_workload.py")
 CLI = [sys.executable, "-m", "prefect_accelerate.cli.main"]
 #: generous: a 2-node torch job takes 5-30 s on a loaded 2-core machine
 JOB_SECONDS = 300
@@ -94,6 +95,51 @@ def test_two_node_training_ranks_agree_on_world_size_and_weights(slurm_cluster, 
     assert len({weights for _, _, weights, _ in lines}) == 1, "DDP ranks ended with different weights"
     assert sorted(node for *_, node in lines) == ["n1", "n2"], "the two ranks did not run on the two Slurm nodes"
     assert "COMPLETED" in done.stdout
+
+
+DS_SLURM_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_multinode_launcher: slurm
+  gradient_accumulation_steps: 1
+  zero_stage: 2
+machine_rank: 0
+mixed_precision: 'no'
+num_machines: 2
+num_processes: 2
+use_cpu: false
+"""
+
+
+def test_deepspeeds_own_slurm_launcher_trains_on_both_nodes_with_one_world(slurm_cluster, tmp_path):
+    pytest.importorskip("deepspeed")
+    config = tmp_path / "ds_slurm.yaml"
+    config.write_text(DS_SLURM_CONFIG)
+    argv = [*CLI, "launch", "--no-track", "--slurm", "--config_file", str(config), "--dynamo_backend", "no",
+            "--run_dir", str(tmp_path / "run"), str(DS_WORKLOAD), "--steps", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=JOB_SECONDS, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:] + _cluster_logs(slurm_cluster)
+    nodes = dict(re.findall(r"^\[node \d rank (\d)\] node=(\S+) rank_env=\1/2 local=0", done.stdout, re.M))
+    assert nodes == {"0": "n1", "1": "n2"}, done.stdout[-4000:]
+    results = re.findall(r"^\[node (\d) rank (\d)\] rank \2 of (\d) zero_stage 2 dtype float32 eval_loss (\S+)", done.stdout, re.M)
+    assert sorted((node, rank, world) for node, rank, world, _ in results) == [("0", "0", "2"), ("1", "1", "2")], done.stdout[-4000:]
+    assert len({loss for *_, loss in results}) == 1, "the two ranks ended with different weights"
+    srun = re.search(r"cmd = (srun .*)", done.stdout)
+    assert srun and srun.group(1).startswith("srun -n 2 --label") and "--gpus-per-node" not in srun.group(1), done.stdout[-4000:]
+    assert "COMPLETED" in done.stdout
+
+
+def test_deepspeeds_slurm_launcher_reports_the_failing_ranks_exit_code_node_and_rank(slurm_cluster, tmp_path):
+    pytest.importorskip("deepspeed")
+    config = tmp_path / "ds_slurm.yaml"
+    config.write_text(DS_SLURM_CONFIG)
+    env = {**os.environ, "FAIL_RANK": "1", "FAIL_RANK_CODE": "3"}
+    argv = [*CLI, "launch", "--no-track", "--slurm", "--config_file", str(config), "--dynamo_backend", "no",
+            "--run_dir", str(tmp_path / "run"), str(DS_WORKLOAD)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=JOB_SECONDS, cwd=tmp_path, env=env)
+    assert done.returncode == 3, done.stdout[-4000:] + done.stderr[-3000:] + _cluster_logs(slurm_cluster)
+    assert "node 1 (n2)" in done.stderr and "rank 1" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_failing_rank_exit_code_is_the_cli_exit_code_with_node_and_rank(slurm_cluster, tmp_path):

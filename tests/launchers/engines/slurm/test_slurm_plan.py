@@ -24,6 +24,9 @@ CASES = {
     "four-nodes-gpus": ["--multi_gpu", "--mixed_precision", "bf16", "--dynamo_backend", "no", "--num_machines", "4", "--num_processes", "32",
                         "--slurm_gpus_per_node", "8", "--slurm_account", "ml", "--slurm_qos", "high",
                         "--slurm_sbatch_args", "--exclusive --mem=0"],
+    "deepspeed-slurm-cpu": ["--use_deepspeed", "--zero_stage", "2", "--mixed_precision", "no", "--dynamo_backend", "no",
+                            "--deepspeed_multinode_launcher", "slurm", "--num_machines", "2", "--num_processes", "4",
+                            "--slurm_partition", "debug"],
 }
 
 
@@ -33,7 +36,9 @@ def _plan(extra: list[str]):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_dry_run_matches_golden_file(name):
+def test_dry_run_matches_golden_file(name, monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # DeepSpeed plans carry the launching PYTHONPATH
+    monkeypatch.setenv("PYTHONUNBUFFERED", "1")  # set: no plan adds its own PYTHONUNBUFFERED=1
     text = _plan(CASES[name]).describe() + "\n"
     path = GOLDEN / f"{name}.txt"
     if os.environ.get("PREFECT_ACCELERATE_UPDATE_GOLDEN") == "1":
@@ -139,8 +144,8 @@ def test_a_deepspeed_config_runs_deepspeeds_standard_launch_on_every_node():
     assert '--node_rank "${SLURM_NODEID}"' in node
 
 
-@pytest.mark.parametrize("launcher", ["pdsh", "slurm"])
-def test_deepspeed_launchers_that_start_processes_themselves_are_refused(launcher, tmp_path):
+@pytest.mark.parametrize("launcher", ["pdsh", "openmpi"])
+def test_deepspeed_launchers_that_start_processes_over_ssh_or_mpi_are_refused(launcher, tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("n1 slots=1\nn2 slots=1\n")
     with pytest.raises(UsageError, match="use `standard`"):
