@@ -203,12 +203,6 @@ def test_stop_cancels_the_job_everywhere_and_an_attached_second_process_sees_it(
     assert "final CANCELLED" in out, out
 
 
-def test_time_limit_is_reported_as_timeout(timeout_job):
-    job = timeout_job.wait(timeout=JOB_SECONDS)
-    assert job.state == "TIMEOUT"
-    assert "started" in "\n".join(timeout_job.tail)
-
-
 @pytest.mark.parametrize(("extra", "expected"), [
     (["--slurm_partition", "nope"], "invalid partition"),
     (["--slurm_partition", "small"], "can never start it"),  # 2 nodes asked, the partition has 1
@@ -270,3 +264,10 @@ def test_the_launch_deadline_cancels_the_job_and_exits_124(slurm_cluster, tmp_pa
     assert "deadline" in done.stderr and "Traceback" not in done.stderr
     pids = [int(p) for f in tmp_path.glob("pids-*") for p in f.read_text().split()]
     assert _wait_gone(pids) == []
+
+
+# last in the module: the 1-minute job submitted by the first test has been running all along
+def test_time_limit_is_reported_as_timeout(timeout_job):
+    job = timeout_job.wait(timeout=JOB_SECONDS)
+    assert job.state == "TIMEOUT"
+    assert "started" in "\n".join(timeout_job.tail)
