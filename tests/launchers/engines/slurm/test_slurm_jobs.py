@@ -162,18 +162,25 @@ def test_a_rank_that_raises_is_reported_with_its_error(slurm_cluster, tmp_path, 
     assert any(label == "node 1 rank 1" and "world=2" in line for label, line in lines), lines
 
 
-def test_sigterm_on_the_cli_cancels_the_job(slurm_cluster, tmp_path):
+@pytest.mark.parametrize(("how", "code"), [("sigterm", 143), ("ctrl-c", 130)])
+def test_sigterm_or_ctrl_c_on_the_cli_cancels_the_job(slurm_cluster, tmp_path, how, code):
     env = {**os.environ, "HANG_DIR": str(tmp_path)}
-    cli = subprocess.Popen(_launch_args(tmp_path / "run"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    # its own process group, as a terminal's foreground job, with SIGINT as a shell hands it down
+    cli = subprocess.Popen(_launch_args(tmp_path / "run"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                           start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         pids = _hang_pids(tmp_path)
-        cli.send_signal(signal.SIGTERM)
+        if how == "sigterm":
+            cli.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(cli.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         out, _ = cli.communicate(timeout=120)
     finally:
         if cli.poll() is None:
             cli.kill()
     job_id = re.search(r"Submitted batch job (\d+)", out).group(1)
-    assert cli.returncode != 0
+    assert cli.returncode == code, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
     assert _wait_gone(pids) == [], out
     state = SlurmJobRun(job_id).describe().state
     assert state == "CANCELLED", out
