@@ -120,6 +120,9 @@ def test_the_graph_is_the_dag_fresh_and_cached_with_every_gate_artifact_in_each_
         assert "launch-result" in kinds(found, request)  # the launch's own artifact, under this pipeline's key
         fit = next(a for a in found if a.key.startswith("memory-fit-"))
         assert fit.task_run_id is not None and fit.description.startswith("fits: ") and " usable" in fit.description
+        # a re-published artifact says it came from the cache; a fresh one does not
+        env_report = next(a for a in found if a.key.startswith("env-report-"))
+        assert ("from the cache" in (env_report.description or "")) == (flow_run.id == runs[1][1].id), env_report.description
     fresh, cached = (state.result() for state, _ in runs)
     assert {s.step: s.status for s in fresh.preflight.steps if s.step != "env"} == {
         "config": "ran", "memory": "ran", "memory-fit": "ran", "deepspeed-check": "skipped", "install-test": "ran"}

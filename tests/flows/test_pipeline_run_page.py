@@ -6,15 +6,14 @@ Set PREFECT_ACCELERATE_SCREENSHOT=<file.png> to also save the page as a picture 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+from helpers.processes import end_group
 
 from prefect_accelerate.pipeline.models import PipelineRequest
 
@@ -65,13 +64,7 @@ class _Chromium:
     def __exit__(self, *exc) -> None:
         if self.socket is not None:
             self.socket.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
+        end_group(self.process, timeout=30)
 
     def said(self) -> str:
         """The end of what chromium printed (its own errors: a crashed renderer, a refused flag)."""

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -32,3 +36,17 @@ def assert_all_gone(pids: list[int], timeout: float = 30) -> None:
         alive = [pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.2)
     assert not alive, f"processes still alive: {alive}"
+
+
+def end_group(process: subprocess.Popen, timeout: float = 10) -> None:
+    """End a process started with start_new_session=True and everything in its group: SIGTERM, then SIGKILL."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=timeout)

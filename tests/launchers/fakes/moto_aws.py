@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from helpers.processes import end_group
 
 #: the SDK's own config: telemetry off (it would otherwise call a regional S3 URL)
 SDK_CONFIG = "SchemaVersion: '1.0'\nSageMaker:\n  PythonSDK:\n    Modules:\n      TelemetryOptOut: true\n"
@@ -47,13 +47,8 @@ class MotoServer:
         raise RuntimeError("moto_server did not start within 60 s")
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
+        if self.process is not None:
+            end_group(self.process)
 
     def post(self, path: str) -> None:
         urllib.request.urlopen(urllib.request.Request(f"{self.url}{path}", method="POST"), timeout=10).read()
