@@ -15,7 +15,7 @@ import yaml
 from prefect_accelerate.config.update import update_config_file
 
 DRIVER = Path(__file__).resolve().parent / "crash_writer.py"
-RUNS = 32
+RUNS = 20
 
 
 def old_config() -> str:
