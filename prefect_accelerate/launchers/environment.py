@@ -6,6 +6,7 @@ variables it adds, in Accelerate's order. The launch modules compose them.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from prefect_accelerate.config.enums import DynamoBackend, PrecisionType
@@ -112,6 +113,12 @@ def dynamo_env(options) -> Env:
 def cpu_kmp_env() -> Env:
     """The OpenMP settings Accelerate's simple launcher gives CPU runs (reference §4.3.1, 1.16.0)."""
     return {"KMP_AFFINITY": "granularity=fine,compact,1,0", "KMP_BLOCKTIME": "1"}
+
+
+def unbuffered_env() -> Env:
+    """Ours, not Accelerate's: the children's output unbuffered, so lines reach the console and the run log as
+    they are printed (DeepSpeed forwards PYTHON* to its other nodes). A user's own PYTHONUNBUFFERED is kept."""
+    return {} if "PYTHONUNBUFFERED" in os.environ else {"PYTHONUNBUFFERED": "1"}
 
 
 def threads_env(options) -> Env:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 from prefect_accelerate.errors import LaunchError, UsageError
 from prefect_accelerate.launchers import environment as blocks
@@ -75,8 +74,7 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
     env |= blocks.dynamo_env(options)
     env |= blocks.threads_env(options)
     env |= blocks.cpu_affinity_env(options)
-    if "PYTHONUNBUFFERED" not in os.environ:
-        env["PYTHONUNBUFFERED"] = "1"  # ours: lines reach the log as they are printed
+    env |= blocks.unbuffered_env()
     return LaunchPlan(
         launcher=launcher,
         argv=tuple(argv),

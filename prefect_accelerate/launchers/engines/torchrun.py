@@ -140,8 +140,7 @@ def plan_torchrun(options, host: HostProbe, cwd: str, run_dir: str | None, *, cp
     env, warnings = multi_process_env(options, host, cpu=cpu) if extra_env is None else ({}, [])
     if extra_env is not None:
         env = dict(extra_env)
-    if "PYTHONUNBUFFERED" not in os.environ:
-        env["PYTHONUNBUFFERED"] = "1"
+    env |= blocks.unbuffered_env()
     if run_dir is not None:
         # torchrun copies the failing worker's root cause here (spike §4.3)
         env["TORCHELASTIC_ERROR_FILE"] = os.path.join(run_dir, "error.json")

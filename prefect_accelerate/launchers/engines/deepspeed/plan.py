@@ -343,6 +343,19 @@ def _check_resources(options, launcher: str, cwd: str) -> tuple[list[str], list[
     return notes, warnings
 
 
+def prepare(options, host: HostProbe, cwd: str) -> tuple[tuple[int, ...], dict[str, str], list[str]]:
+    """What every DeepSpeed launch checks and sets first, whoever runs it (this engine, or the Slurm engine for
+    DeepSpeed's own slurm launcher): DeepSpeed's version, the flags, the config file's settings, the environment."""
+    version = installed_deepspeed_version()
+    if version is None:
+        raise DependencyError.missing("deepspeed", "deepspeed", "A DeepSpeed launch (--use_deepspeed)")
+    if options.module and options.no_python:
+        raise UsageError("--module and --no_python cannot be used together.")
+    check_config_file_settings(options, cwd)
+    env, warnings = deepspeed_env(options, host, cwd)
+    return version, env, warnings
+
+
 def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPlan:
     """The plan for a DeepSpeed launch. Starts nothing; reads only the hostfile and DeepSpeed JSON it names.
 
@@ -351,14 +364,8 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
         ConfigError: a bad hostfile, filter or DeepSpeed JSON, or settings the DeepSpeed plugin would refuse.
         LaunchError: the launcher's program is missing, or the port is busy.
     """
-    version = installed_deepspeed_version()
-    if version is None:
-        raise DependencyError.missing("deepspeed", "deepspeed", "A DeepSpeed launch (--use_deepspeed)")
-    if options.module and options.no_python:
-        raise UsageError("--module and --no_python cannot be used together.")
+    version, env, warnings = prepare(options, host, cwd)
     kind = launcher_kind(options)
-    check_config_file_settings(options, cwd)
-    env, warnings = deepspeed_env(options, host, cwd)
     if kind == "torchrun":
         base = plan_torchrun(options, host, cwd, run_dir, cpu=False, extra_env=env, launcher="torchrun-deepspeed")
         return base.model_copy(update={"warnings": (*warnings, *base.warnings)})
@@ -378,8 +385,7 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
     port, port_notes = resolve_port(options, host)
     argv = [host.python(), "-m", "deepspeed.launcher.runner", *runner_arguments(options, kind, port),
             options.training_script, *options.training_script_args]
-    if "PYTHONUNBUFFERED" not in os.environ:
-        env["PYTHONUNBUFFERED"] = "1"  # ours: lines reach the log as they are printed (DeepSpeed forwards PYTHON*)
+    env |= blocks.unbuffered_env()
     files: dict[str, str] = {}
     if kind != "nossh":  # with --no_ssh the runner starts this node's processes itself and reads no env file
         run_dir = run_dir or str(new_run_dir())

@@ -22,13 +22,9 @@ import os
 import shlex
 from pathlib import Path
 
-from prefect_accelerate.errors import DependencyError, UsageError
-from prefect_accelerate.launchers.engines.deepspeed.plan import (
-    check_config_file_settings,
-    deepspeed_env,
-    installed_deepspeed_version,
-    runner_arguments,
-)
+from prefect_accelerate.errors import UsageError
+from prefect_accelerate.launchers import environment as blocks
+from prefect_accelerate.launchers.engines.deepspeed.plan import prepare, runner_arguments
 from prefect_accelerate.launchers.host import HostProbe
 from prefect_accelerate.launchers.plan import LaunchPlan
 
@@ -50,10 +46,7 @@ def runner_plan(options, host: HostProbe, *, cwd: str, run_dir: str, gpus_per_no
         DependencyError: DeepSpeed is not installed. UsageError: filters, or a process count the nodes cannot share.
         ConfigError: settings Accelerate's DeepSpeed plugin would refuse.
     """
-    if installed_deepspeed_version() is None:
-        raise DependencyError.missing("deepspeed", "deepspeed", "A DeepSpeed launch (--use_deepspeed)")
-    if options.module and options.no_python:
-        raise UsageError("--module and --no_python cannot be used together.")
+    _, env, warnings = prepare(options, host, cwd)
     machines, processes = int(options.num_machines), int(options.num_processes)
     if processes % machines:
         raise UsageError(
@@ -65,12 +58,9 @@ def runner_plan(options, host: HostProbe, *, cwd: str, run_dir: str, gpus_per_no
             "--slurm chooses the nodes through Slurm, so a DeepSpeed inclusion or exclusion filter has nothing to select "
             "from. Remove the filter and ask Slurm instead, e.g. --slurm_sbatch_args \"--exclude=node3\"."
         )
-    check_config_file_settings(options, cwd)
-    env, warnings = deepspeed_env(options, host, cwd)
     site = os.path.join(run_dir, SITE_FOLDER)
     env["PYTHONPATH"] = ":".join([site, env["PYTHONPATH"]])
-    if "PYTHONUNBUFFERED" not in os.environ:
-        env["PYTHONUNBUFFERED"] = "1"  # lines reach the job's output as they are printed
+    env |= blocks.unbuffered_env()
     per_node = processes // machines
     hostfile = os.path.join(run_dir, HOSTFILE_NAME)
     srun_args = f"--label --kill-on-bad-exit=1 --ntasks-per-node={per_node}"

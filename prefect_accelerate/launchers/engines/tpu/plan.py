@@ -77,10 +77,6 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None, pod: TpuPod
     return plan_single_host(options, host, cwd=cwd, run_dir=run_dir)
 
 
-def _common_env() -> dict[str, str]:
-    return {} if "PYTHONUNBUFFERED" in os.environ else {"PYTHONUNBUFFERED": "1"}
-
-
 def plan_single_host(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPlan:
     if importlib.util.find_spec("torch_xla") is None:
         raise DependencyError.missing("torch_xla", "tpu", "Launching on a TPU (--tpu)")
@@ -95,7 +91,7 @@ def plan_single_host(options, host: HostProbe, *, cwd: str, run_dir: str | None)
         variable = "XLA_DOWNCAST_BF16" if mode == "downcast" else "XLA_USE_BF16"
         notes.append(f"bf16: {variable}=1 is set for the training processes when torch_xla reports a TPU (as in Accelerate).")
     argv += ["--", options.training_script, *options.training_script_args]
-    env = blocks.debug_env(options) | _common_env()
+    env = blocks.debug_env(options) | blocks.unbuffered_env()
     return LaunchPlan(
         launcher="tpu", argv=tuple(argv), env=env, cwd=cwd, num_processes=int(options.num_processes or 1),
         num_machines=1, run_dir=run_dir, warnings=tuple(w for w in [options.defaults_warning] if w), notes=tuple(notes),
@@ -224,7 +220,7 @@ def plan_pod(options, host: HostProbe, *, cwd: str, run_dir: str | None, pod: Tp
     return LaunchPlan(
         launcher="tpu-pod",
         argv=(host.python(), "-m", POD_DRIVER_MODULE, os.path.join(run_folder, POD_SPEC_FILE)),
-        env=secret_values | _common_env(),
+        env=secret_values | blocks.unbuffered_env(),
         secret_env=frozenset(secret_values),
         cwd=cwd,
         num_processes=int(options.num_processes or 1),
