@@ -11,6 +11,8 @@ import difflib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from prefect_accelerate.secrets import Redactor, known_secret_values
+
 #: Exit status for usage and configuration errors, as argparse uses.
 USAGE_EXIT_CODE = 2
 
@@ -21,7 +23,9 @@ class PrefectAccelerateError(Exception):
     exit_code: int = 1
 
     def __init__(self, message: str, *, exit_code: int | None = None) -> None:
-        super().__init__(message)
+        # a message echoes what the user gave (a config value, an argument): a known secret value never goes
+        # further than here, whether the CLI prints it or Prefect stores it in a state or a log
+        super().__init__(Redactor(known_secret_values())(message))
         if exit_code is not None:
             self.exit_code = exit_code
 

@@ -211,3 +211,21 @@ def test_host_problems_at_plan_time_exit_2_like_every_other_error(tmp_path, case
     done = cli(*argv, cwd=tmp_path, env=env)
     assert done.returncode == 2, done.stderr
     assert expected in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_secret_value_echoed_by_an_error_is_redacted(tmp_path):
+    """Found by the property test above: a config field holding a known secret value was quoted in clear by
+    the config error. Every error message redacts known secret values where it is made."""
+    from prefect_accelerate.errors import ConfigError
+
+    secret = "hf_echoedsecret_0123456789"
+    (tmp_path / "train.py").write_text("print('x')\n")
+    (tmp_path / "cfg.yaml").write_text(f"distributed_type: MULTI_CPU\nnum_processes: {secret}\n")
+    done = cli("launch", "--dry-run", "--config_file", str(tmp_path / "cfg.yaml"), "train.py", cwd=tmp_path, env={"HF_TOKEN": secret})
+    assert done.returncode == 2 and "num_processes" in done.stderr and "***" in done.stderr, done.stderr
+    assert secret not in done.stdout + done.stderr
+    os.environ["WANDB_API_KEY"] = secret
+    try:
+        assert secret not in ConfigError(f"bad value {secret!r}").message
+    finally:
+        del os.environ["WANDB_API_KEY"]
