@@ -275,6 +275,11 @@ def approval_description(request: PipelineRequest, report: PreflightReport, plan
     return "\n".join(lines)
 
 
+#: how often a paused launch asks the server whether it was approved: the launch starts within this of the click
+#: (Prefect's default, 10 s, is a long wait in front of a button; one small read every 2 s is cheap)
+APPROVAL_POLL_SECONDS = 2
+
+
 def ask_for_approval(request: PipelineRequest, report: PreflightReport, plan_json: dict[str, Any], timeout: int = 3600) -> bool:
     from prefect.flow_runs import pause_flow_run
     from prefect.input import RunInput
@@ -286,6 +291,7 @@ def ask_for_approval(request: PipelineRequest, report: PreflightReport, plan_jso
     answer = pause_flow_run(
         wait_for_input=LaunchApproval.with_initial_data(description=approval_description(request, report, plan_json), approve=False),
         timeout=timeout,
+        poll_interval=APPROVAL_POLL_SECONDS,
     )
     if answer.note:
         get_run_logger().info("Approval note: %s", answer.note)

@@ -59,11 +59,12 @@ def test_resume_skips_unchanged_steps_and_one_byte_reruns_exactly_its_dependents
     assert statuses(third) == {"config": "ran", "env": "cached", "memory": "cached", "memory-fit": "cached",
                                "deepspeed-check": "skipped", "install-test": "ran"}
 
-    # a change of layout re-runs the memory steps as well, and --force re-runs a cached step
+    # a change of layout re-runs the memory steps as well, and --force re-runs a cached step (the self-test,
+    # whose re-run on a config change is shown above, is left out: it would cost seconds and show nothing new)
     config.write_text(config.read_text().replace("num_processes: 2", "num_processes: 1"))
-    fourth = preflight(request.model_copy(update={"force": ["env"]}))
+    fourth = preflight(request.model_copy(update={"force": ["env"], "run_install_test": False}))
     assert statuses(fourth) == {"config": "ran", "env": "ran", "memory": "ran", "memory-fit": "ran",
-                                "deepspeed-check": "skipped", "install-test": "ran"}
+                                "deepspeed-check": "skipped", "install-test": "skipped"}
 
 
 def test_plan_explains_what_changed(tmp_path, tiny_gpt2):
@@ -214,19 +215,16 @@ def test_approval_gate_launches_only_when_approved(approve):
     assert '"argv": [' in description and '"torch.distributed.run"' in description and '"ACCELERATE_USE_CPU": "True"' in description
 
 
-def test_validate_configs_reports_every_config_and_fails_when_one_does(tmp_path):
+def test_validate_configs_reports_every_config(tmp_path):
+    """The failing case (one bad config among good ones) is tests/flows/test_validate_states.py's."""
     from prefect_accelerate.flows.validate import validate_configs
 
     folder = tmp_path / "configs"
     folder.mkdir()
     (folder / "good.yaml").write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
-    (folder / "bad.yaml").write_text("distributed_type: MULTI_CPU\nnum_processes: two\n")
-    request = ValidationRequest(configs=[str(folder)], run_install_test=False, max_concurrency=2)
-    with pytest.raises(PreflightError, match=r"1 of 2 config\(s\) failed validation: bad.yaml \(config"):
-        validate_configs(request)
-    (folder / "bad.yaml").unlink()
-    report = validate_configs(request)
-    assert report.ok and [Path(c.config_file).name for c in report.configs] == ["good.yaml"]
+    (folder / "one.yaml").write_text("distributed_type: MULTI_CPU\nnum_processes: 1\nuse_cpu: true\n")
+    report = validate_configs(ValidationRequest(configs=[str(folder)], run_install_test=False, max_concurrency=2))
+    assert report.ok and [Path(c.config_file).name for c in report.configs] == ["good.yaml", "one.yaml"]
 
 
 def test_run_names_say_which_launcher_runs(monkeypatch, hf_home):

@@ -39,19 +39,20 @@ def test_a_failed_check_is_a_failed_task_run_and_no_traceback_is_printed(tmp_pat
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("distributed_type: MULTI_CPU\nnum_processes: two\n")
+    (tmp_path / "good.yaml").write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
     capfd.readouterr()
-    state = validate_configs(request=ValidationRequest(configs=[str(bad)], run_install_test=False), return_state=True)
+    state = validate_configs(request=ValidationRequest(configs=[str(tmp_path)], run_install_test=False), return_state=True)
     printed = capfd.readouterr()
     assert state.is_failed()
     error = state.result(raise_on_failure=False)
-    assert isinstance(error, PreflightError) and "bad.yaml (config" in error.message
+    assert isinstance(error, PreflightError) and "1 of 2 config(s) failed validation: bad.yaml (config" in error.message
     assert "Traceback" not in printed.out + printed.err
 
-    async def task_states() -> list[str]:
+    async def task_states() -> dict[str, str]:
         async with get_client() as client:
             runs = await client.read_task_runs()
-            return [r.state.type.value for r in runs if r.flow_run_id == state.state_details.flow_run_id and r.name.startswith("validate-bad")]
+            return {r.name: r.state.type.value for r in runs if r.flow_run_id == state.state_details.flow_run_id and r.name.startswith("validate-")}
 
-    assert asyncio.run(task_states()) == ["FAILED"]
-    with pytest.raises(PreflightError, match="1 of 1 config"):  # a Python caller still gets the error raised
-        validate_configs(request=ValidationRequest(configs=[str(bad)], run_install_test=False))
+    assert asyncio.run(task_states()) == {"validate-bad.yaml": "FAILED", "validate-good.yaml": "COMPLETED"}
+    with pytest.raises(PreflightError, match="1 of 2 config"):  # what a Python caller of the flow gets raised
+        state.result()
