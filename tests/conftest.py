@@ -29,6 +29,7 @@ _ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "PREFECT_ACCELERATE_STATE_DIR": str(_SESSION_ROOT / "state"),
+    "PREFECT_ACCELERATE_CACHE_DIR": str(_SESSION_ROOT / "cache"),  # shared by the session, never the user's
     "XDG_CONFIG_HOME": str(_SESSION_ROOT / "config"),  # mlflow (via sagemaker) writes telemetry state there
     "MLFLOW_DISABLE_TELEMETRY": "true",
     "PYTHONPATH": os.pathsep.join(p for p in (str(SHIMS), os.environ.get("PYTHONPATH", "")) if p),

@@ -11,21 +11,39 @@ or a hang there becomes a line in the report, never an error in ours.
 succeeds where `from transformers import LlamaConfig` (what estimate-memory does through AutoConfig)
 fails on a torchvision built for another torch. Each engine lists the imports our commands run, and a
 failure names the statement and the package that broke it.
+
+A check where every engine imported is kept for a while in the cache folder (PREFECT_ACCELERATE_CACHE_DIR,
+else ~/.cache/prefect-accelerate), keyed on what decides
+an import: the interpreter, each folder on the import path with its modification time (installing,
+upgrading or removing a distribution adds or removes entries, which changes it), the
+variables that steer imports and loaders, and the engines' versions and statements. The next probe with
+the same key reads the result instead of importing again (a `check`, a pipeline and a nightly validation
+each probe); any failure is re-checked every time, as that is what a user is then diagnosing.
+`PREFECT_ACCELERATE_IMPORT_CHECK_CACHE=0` turns the reuse off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: How long the child may take to import every engine before the rest are reported as unchecked
 #: (a loaded 2-core machine needed over 60 s for deepspeed, sagemaker, transformers' config classes and timm).
 IMPORT_CHECK_TIMEOUT_S = 120.0
+#: How long a check where everything imported is reused while its key holds (12 hours)
+IMPORT_CHECK_REUSE_S = 12 * 3600
+#: "0" turns the reuse off (every probe imports again)
+IMPORT_CHECK_CACHE_ENV = "PREFECT_ACCELERATE_IMPORT_CHECK_CACHE"
+#: variables that change what an import finds or loads
+_IMPORT_VARIABLES = ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH", "LD_LIBRARY_PATH", "LD_PRELOAD", "CUDA_HOME", "DS_ACCELERATOR")
 
 
 @dataclass(frozen=True)
@@ -67,6 +85,9 @@ class EngineProbe:
 # leaves the results so far, and the first missing one names the import that killed the process.
 _CHILD = r"""
 import json, os, sys
+# the commands run as console scripts or `-m`, with no working folder on the path: nor does this check
+if sys.path and sys.path[0] in ("", os.getcwd()):
+    del sys.path[0]
 out = os.fdopen(os.dup(1), "w")
 os.dup2(2, 1)
 sys.stdout = sys.stderr
@@ -112,6 +133,69 @@ def _installed(spec: EngineSpec) -> tuple[bool, str | None]:
     return found, version
 
 
+def _mtime(path: str) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+def _reuse_key(to_import: Sequence[str], installed: dict[str, tuple[bool, str | None]]) -> str:
+    cwd = os.getcwd()
+    facts = {
+        "python": [sys.executable, sys.version],
+        # the child drops the working folder from its path (see _CHILD); the rest of ours is a superset of its
+        "path": [[entry, _mtime(entry)] for entry in sys.path if entry not in ("", cwd)],
+        "variables": {name: os.environ.get(name) for name in _IMPORT_VARIABLES},
+        "imports": list(to_import),
+        "versions": {name: version for name, (_, version) in sorted(installed.items())},
+        "child": hashlib.sha256(_CHILD.encode()).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _reuse_path(key: str):
+    from prefect_accelerate.launchers.state import cache_dir
+
+    return cache_dir() / "import-check" / f"{key}.json"
+
+
+def _reuse_on() -> bool:
+    return os.environ.get(IMPORT_CHECK_CACHE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _read_reused(key: str) -> tuple[float, dict[str, tuple[bool, str | None]]] | None:
+    """The kept result for `key` while it is fresh, else None (a damaged or foreign file is ignored)."""
+    try:
+        data = json.loads(_reuse_path(key).read_text())
+        checked_at = float(data["checked_at"])
+        modules = {str(name): (True, None) for name in data["modules"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not 0 <= time.time() - checked_at < IMPORT_CHECK_REUSE_S:
+        return None
+    return checked_at, modules
+
+
+def _keep(key: str, modules: Sequence[str]) -> None:
+    """Keep a check where every engine imported; a folder that cannot be written just means no reuse."""
+    from prefect_accelerate.launchers.state import PRIVATE_FILE_MODE, make_private_dir
+
+    path = _reuse_path(key)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        make_private_dir(path.parent, "cache folder")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"checked_at": time.time(), "modules": list(modules)}, handle)
+        os.replace(tmp, path)
+    except Exception:  # noqa: BLE001 - reuse is an optimisation, never a failure of the probe
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
 class ImportCheck:
     """The running child that imports the installed engines; `results()` waits for it.
 
@@ -132,7 +216,17 @@ class ImportCheck:
         self._process: subprocess.Popen[str] | None = None
         self._start_error: str | None = None
         self._checked = check_imports
-        if check_imports and to_import:
+        #: when the result comes from an earlier check (seconds since the epoch), else None
+        self.reused_from: float | None = None
+        self._reused: dict[str, tuple[bool, str | None]] | None = None
+        self._key: str | None = None
+        if check_imports and to_import and _reuse_on():
+            self._key = _reuse_key(to_import, self._installed)
+            kept = _read_reused(self._key)
+            names = [json.loads(item)[0] for item in to_import]
+            if kept is not None and sorted(kept[1]) == sorted(names):
+                self.reused_from, self._reused = kept
+        if check_imports and to_import and self._reused is None:
             try:
                 self._process = subprocess.Popen(
                     [sys.executable, "-c", _CHILD, *to_import],
@@ -158,6 +252,8 @@ class ImportCheck:
         imported: dict[str, tuple[bool, str | None]] = {}
         # (importable, why) for the engine the child was busy with when it stopped
         failure: tuple[bool | None, str] | None = None if self._start_error is None else (None, self._start_error)
+        if self._reused is not None:
+            imported = dict(self._reused)
         if self._process is not None:
             try:
                 stdout, stderr = self._process.communicate(timeout=self.timeout)
@@ -179,6 +275,10 @@ class ImportCheck:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 last = (stderr.strip().splitlines() or [""])[-1][:200]
                 failure = (False, f"the Python process importing it {how}" + (f" ({last})" if last else ""))
+            elif self._key is not None and imported and all(ok for ok, _ in imported.values()):
+                wanted = [spec.module for spec in self.engines if self._installed[spec.module][0]]
+                if sorted(imported) == sorted(wanted):
+                    _keep(self._key, wanted)
         probes: list[EngineProbe] = []
         blamed = False
         for spec in self.engines:

@@ -100,6 +100,9 @@ class EnvReport(BaseModel):
     cpu_cores_physical: int | None
     cpu_cores_logical: int | None
     engines: list[EngineStatus] = Field(default_factory=list)
+    import_check_reused_from: str | None = Field(
+        None, description="when the engines' import check was reused from an earlier one (UTC, ISO 8601), else None"
+    )
     config: ConfigReport
 
     @property
@@ -113,6 +116,12 @@ class EnvReport(BaseModel):
     def engine(self, name: str) -> EngineStatus | None:
         """The status of one optional engine by import name (deepspeed, torch_xla, ...)."""
         return next((e for e in self.engines if e.name == name), None)
+
+
+def _utc(seconds: float) -> str:
+    import datetime
+
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _version(distribution: str) -> str | None:
@@ -209,6 +218,7 @@ def collect_env_report(
             EngineStatus(name=p.module, installed=p.installed, version=p.version, importable=p.importable, error=p.error)
             for p in imports.results()
         ]
+        reused = imports.reused_from
     return EnvReport(
         prefect_accelerate_version=__version__,
         accelerate_version=_version("accelerate"),
@@ -231,5 +241,6 @@ def collect_env_report(
         cpu_cores_physical=psutil.cpu_count(logical=False),
         cpu_cores_logical=psutil.cpu_count(logical=True),
         engines=engines,
+        import_check_reused_from=None if reused is None else _utc(reused),
         config=config,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefect_accelerate.envreport.importcheck import IMPORT_CHECK_CACHE_ENV
 from prefect_accelerate.envreport.probe import EXECUTABLE, EngineStatus, EnvReport
 
 HEADER = "Copy-and-paste the text below in your GitHub issue"
@@ -84,6 +85,9 @@ def extra_items(report: EnvReport) -> list[tuple[str, str]]:
     items.append(("CPU cores", f"{physical} physical, {logical} logical"))
     for engine in report.engines:
         items.append((f"`{engine.name}`", engine_text(engine)))
+    if report.import_check_reused_from:
+        items.append(("Import check", f"reused from {report.import_check_reused_from}, the installation unchanged since "
+                                      f"({IMPORT_CHECK_CACHE_ENV}=0 imports again)"))
     items.append(("`Accelerate` config file", config_location_text(report)))
     return items
 

@@ -46,11 +46,26 @@ def make_private_dir(path: Path, what: str = "folder") -> Path:
     return path
 
 
+def _default_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(cache) / "prefect-accelerate"
+
+
 def state_dir() -> Path:
     if os.environ.get(STATE_ENV):
         return Path(os.path.expanduser(os.environ[STATE_ENV]))
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(cache) / "prefect-accelerate"
+    return _default_dir()
+
+
+#: where results that only save time are kept (the engines' import check): a folder per machine and user,
+#: not per launch, so a per-run PREFECT_ACCELERATE_STATE_DIR still shares them
+CACHE_ENV = "PREFECT_ACCELERATE_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.path.expanduser(os.environ[CACHE_ENV]))
+    return _default_dir()
 
 
 def new_run_dir(prefix: str = "launch") -> Path:

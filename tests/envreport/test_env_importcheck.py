@@ -97,3 +97,51 @@ def test_transformers_is_checked_through_the_imports_estimate_memory_uses():
     transformers = next(spec for spec in OPTIONAL_ENGINES if spec.module == "transformers")
     assert any("AutoConfig" in statement for statement in transformers.statements)
     assert any("LlamaConfig" in statement for statement in transformers.statements)
+
+
+@pytest.fixture
+def own_cache(tmp_path_factory, monkeypatch):
+    state = tmp_path_factory.mktemp("cache")  # not in the fake packages' folder, which is on the path
+    monkeypatch.setenv("PREFECT_ACCELERATE_CACHE_DIR", str(state))
+    monkeypatch.delenv("PREFECT_ACCELERATE_IMPORT_CHECK_CACHE", raising=False)
+    return state
+
+
+def test_a_check_where_everything_imported_is_reused_until_the_installation_changes(fake_packages, own_cache, tmp_path):
+    engines = fake_packages(fine_pkg="VALUE = 1\n", other_pkg="")
+    with ImportCheck(engines) as first:
+        assert first._process is not None and first.reused_from is None
+        fresh = first.results()
+    kept = list((own_cache / "import-check").iterdir())
+    assert len(kept) == 1 and oct(kept[0].stat().st_mode & 0o777) == "0o600"
+    with ImportCheck(engines) as second:
+        assert second._process is None and second.reused_from is not None  # no child: nothing imported
+        assert second.results() == fresh
+    # a distribution installed next to them changes the folder's entries, so the next check imports again
+    (tmp_path / "newly_installed-1.0.dist-info").mkdir()
+    with ImportCheck(engines) as third:
+        assert third._process is not None and third.reused_from is None
+        assert third.results() == fresh
+
+
+@pytest.mark.parametrize("why", ["failure", "switched off", "damaged file", "other variables"])
+def test_a_failure_a_damaged_record_or_the_switch_means_a_real_import(fake_packages, own_cache, monkeypatch, why):
+    bodies = {"fine_pkg": "VALUE = 1\n"}
+    if why == "failure":
+        bodies["broken_pkg"] = "raise RuntimeError('broken')\n"
+    engines = fake_packages(**bodies)
+    with ImportCheck(engines) as first:
+        first.results()
+    if why == "switched off":
+        monkeypatch.setenv("PREFECT_ACCELERATE_IMPORT_CHECK_CACHE", "0")
+    elif why == "damaged file":
+        for path in (own_cache / "import-check").iterdir():
+            path.write_text('{"checked_at": "soon", "modules": 3')
+    elif why == "other variables":
+        monkeypatch.setenv("LD_PRELOAD", "")
+    with ImportCheck(engines) as again:
+        assert again._process is not None and again.reused_from is None, why
+        probes = by_name(again.results())
+    assert probes["fine_pkg"].importable is True
+    if why == "failure":
+        assert probes["broken_pkg"].importable is False and not (own_cache / "import-check").exists()

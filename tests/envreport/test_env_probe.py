@@ -138,3 +138,16 @@ def test_a_broken_default_config_is_a_config_error(hf_home):
     (hf_home / "accelerate" / "default_config.yaml").write_text("distributed_type: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         collect_env_report(check_imports=False)
+
+
+def test_a_reused_import_check_is_said_in_the_report(tmp_path, monkeypatch):
+    from prefect_accelerate.envreport.render import render_text
+
+    monkeypatch.setenv("PREFECT_ACCELERATE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PREFECT_ACCELERATE_IMPORT_CHECK_CACHE", raising=False)
+    first = collect_env_report(check_imports=True)
+    assert all(e.importable for e in first.engines if e.installed)  # a check with a failure is never reused
+    second = collect_env_report(check_imports=True)
+    assert first.import_check_reused_from is None and second.import_check_reused_from is not None
+    assert [(e.name, e.importable) for e in second.engines] == [(e.name, e.importable) for e in first.engines]
+    assert "Import check: reused from " in render_text(second) and "Import check" not in render_text(first)
