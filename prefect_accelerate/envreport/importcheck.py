@@ -179,21 +179,12 @@ def _read_reused(key: str) -> tuple[float, dict[str, tuple[bool, str | None]]] |
 
 def _keep(key: str, modules: Sequence[str]) -> None:
     """Keep a check where every engine imported; a folder that cannot be written just means no reuse."""
-    from prefect_accelerate.launchers.state import PRIVATE_FILE_MODE, make_private_dir
+    from prefect_accelerate.launchers.state import write_private_json
 
-    path = _reuse_path(key)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
-        make_private_dir(path.parent, "cache folder")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
-        with os.fdopen(fd, "w") as handle:
-            json.dump({"checked_at": time.time(), "modules": list(modules)}, handle)
-        os.replace(tmp, path)
+        write_private_json(_reuse_path(key), {"checked_at": time.time(), "modules": list(modules)}, "cache folder")
     except Exception:  # noqa: BLE001 - reuse is an optimisation, never a failure of the probe
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        pass
 
 
 class ImportCheck:
@@ -212,6 +203,8 @@ class ImportCheck:
         self.engines = tuple(engines)
         self.timeout = timeout
         self._installed = {spec.module: _installed(spec) for spec in self.engines}
+        #: the installed engines, which the child imports
+        self._wanted = sorted(spec.module for spec in self.engines if self._installed[spec.module][0])
         to_import = [json.dumps([spec.module, *spec.statements]) for spec in self.engines if self._installed[spec.module][0]]
         self._process: subprocess.Popen[str] | None = None
         self._start_error: str | None = None
@@ -223,8 +216,7 @@ class ImportCheck:
         if check_imports and to_import and _reuse_on():
             self._key = _reuse_key(to_import, self._installed)
             kept = _read_reused(self._key)
-            names = [json.loads(item)[0] for item in to_import]
-            if kept is not None and sorted(kept[1]) == sorted(names):
+            if kept is not None and sorted(kept[1]) == self._wanted:
                 self.reused_from, self._reused = kept
         if check_imports and to_import and self._reused is None:
             try:
@@ -275,10 +267,8 @@ class ImportCheck:
                 how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
                 last = (stderr.strip().splitlines() or [""])[-1][:200]
                 failure = (False, f"the Python process importing it {how}" + (f" ({last})" if last else ""))
-            elif self._key is not None and imported and all(ok for ok, _ in imported.values()):
-                wanted = [spec.module for spec in self.engines if self._installed[spec.module][0]]
-                if sorted(imported) == sorted(wanted):
-                    _keep(self._key, wanted)
+            elif self._key is not None and sorted(imported) == self._wanted and all(ok for ok, _ in imported.values()):
+                _keep(self._key, self._wanted)
         probes: list[EngineProbe] = []
         blamed = False
         for spec in self.engines:

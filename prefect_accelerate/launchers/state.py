@@ -8,6 +8,7 @@ start time so a recycled pid is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -83,16 +84,24 @@ LAUNCHES = "launches"
 SAGEMAKER_JOBS = "sagemaker-jobs"
 
 
+def write_private_json(path: Path, data: Any, what: str = "state folder") -> Path:
+    """Write `data` as JSON to `path` atomically, readable by the owner only (its folder too)."""
+    make_private_dir(path.parent, what)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return path
+
+
 def write_record(kind: str, record_id: str, data: dict[str, Any]) -> Path:
     """Write `<state>/<kind>/<record_id>.json` atomically, tagged with this host's name."""
-    folder = make_private_dir(state_dir() / kind, "state folder")
-    path = folder / f"{record_id}.json"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(json.dumps({**data, "host": socket.gethostname()}, indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_private_json(state_dir() / kind / f"{record_id}.json", {**data, "host": socket.gethostname()})
 
 
 def remove_record(kind: str, record_id: str) -> None:
