@@ -84,7 +84,10 @@ class EngineProbe:
 # for a result; results go, one JSON line each and flushed, to the saved stdout. A crash therefore
 # leaves the results so far, and the first missing one names the import that killed the process.
 _CHILD = r"""
-import json, os, sys
+import json, os, signal, sys
+# Ctrl-C reaches the whole terminal group: the parent stops and ends this process; an import cut short
+# here must not become a verdict ("not importable: KeyboardInterrupt") in a report that is still printed
+signal.signal(signal.SIGINT, signal.SIG_IGN)
 # the commands run as console scripts or `-m`, with no working folder on the path: nor does this check
 if sys.path and sys.path[0] in ("", os.getcwd()):
     del sys.path[0]

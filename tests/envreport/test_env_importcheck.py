@@ -145,3 +145,12 @@ def test_a_failure_a_damaged_record_or_the_switch_means_a_real_import(fake_packa
     assert probes["fine_pkg"].importable is True
     if why == "failure":
         assert probes["broken_pkg"].importable is False and not (own_cache / "import-check").exists()
+
+
+def test_a_ctrl_c_during_the_imports_is_not_a_verdict(fake_packages):
+    """Ctrl-C reaches the child with the rest of the terminal's group; it reported "not importable
+    (KeyboardInterrupt)" for an engine that imports fine. The parent owns the stop; the child ignores it."""
+    engines = fake_packages(interrupted_pkg="import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nVALUE = 1\n")
+    with ImportCheck(engines) as check:
+        probe = check.results()[0]
+    assert probe.importable is True, probe.error
