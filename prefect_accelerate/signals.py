@@ -28,6 +28,12 @@ def received_signal() -> int | None:
     return _received
 
 
+def raise_if_stopped() -> None:
+    """Raise the stop a handler recorded (KeyboardInterrupt or Terminated): call it after code that may swallow one."""
+    if _received is not None:
+        raise KeyboardInterrupt if _received == signal.SIGINT else Terminated(_received)
+
+
 @contextlib.contextmanager
 def interrupts_recorded() -> Iterator[None]:
     """Ctrl-C raises KeyboardInterrupt as usual and is also recorded (main thread, SIGINT not ignored)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
@@ -64,16 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 1
     show_traceback = args.show_traceback or os.environ.get(DEBUG_ENV, "") not in ("", "0")
-    from prefect_accelerate.signals import interrupts_recorded, received_signal, sigterm_as_exception
+    from prefect_accelerate.signals import interrupts_recorded, raise_if_stopped, sigterm_as_exception
 
     try:
         # SIGTERM unwinds like Ctrl-C, so every exit path runs its cleanup (a per-command Prefect server
         # included); Prefect's flow engine, which takes SIGTERM over during a flow, hands it back to this one
         with interrupts_recorded(), sigterm_as_exception():
             code = func(args)
-        stopped_by = received_signal()
-        if stopped_by is not None:  # the exception was swallowed by code we do not own: still a stop
-            raise KeyboardInterrupt if stopped_by == signal.SIGINT else Terminated(stopped_by)
+        raise_if_stopped()  # an interrupt swallowed by code we do not own is still a stop
     except PrefectAccelerateError as error:
         if show_traceback:
             raise

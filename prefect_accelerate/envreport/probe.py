@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from prefect_accelerate._version import __version__
 from prefect_accelerate.envreport.importcheck import IMPORT_CHECK_TIMEOUT_S, ImportCheck
 from prefect_accelerate.envreport.prefectapi import EPHEMERAL, prefect_api
+from prefect_accelerate.signals import raise_if_stopped
 
 #: The executable whose location the report shows (Accelerate shows `accelerate`'s).
 EXECUTABLE = "prefect-accelerate"
@@ -214,6 +215,7 @@ def collect_env_report(
     api = prefect_api()
     with ImportCheck(check_imports=check_imports, timeout=import_timeout) as imports:
         facts = _torch_facts()
+        raise_if_stopped()  # `import torch` swallows a Ctrl-C that lands inside it: no half-made report
         engines = [
             EngineStatus(name=p.module, installed=p.installed, version=p.version, importable=p.importable, error=p.error)
             for p in imports.results()

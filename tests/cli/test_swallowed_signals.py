@@ -42,3 +42,30 @@ def test_a_swallowed_stop_signal_is_still_a_stop(sig, code, said):
     assert "the command went on" in done.stdout  # the exception really was swallowed
     assert done.returncode == code, done.stdout + done.stderr
     assert said in done.stderr and "Traceback" not in done.stderr
+
+
+PROBE = textwrap.dedent("""
+    import os, signal, sys, time
+    from prefect_accelerate.cli import main
+    from prefect_accelerate.envreport import probe
+
+    real = probe._torch_facts
+
+    def interrupted_inside_torch():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except BaseException:  # what `import torch` did with a Ctrl-C that landed inside it
+            pass
+        return real()
+
+    probe._torch_facts = interrupted_inside_torch
+    sys.exit(main.main(["env", "--no-track", "--no_import_check"]))
+""")
+
+
+def test_env_interrupted_inside_import_torch_prints_no_report():
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert done.returncode == 130, done.stdout + done.stderr
+    assert done.stdout == "" and "Interrupted" in done.stderr and "Traceback" not in done.stderr
