@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--debug", dest="show_traceback", action="store_true",
         help=f"Show Python tracebacks for errors (also: {DEBUG_ENV}=1).",
     )
-    subparsers = parser.add_subparsers(title="commands", metavar="<command>", parser_class=Parser)
+    # prog given: argparse would otherwise build it from the custom usage above ("prefect-accelerate <command> [<args>] validate")
+    subparsers = parser.add_subparsers(title="commands", metavar="<command>", parser_class=Parser, prog="prefect-accelerate")
     for module_name in COMMAND_MODULES:
         importlib.import_module(module_name).add_parser(subparsers)
     return parser

@@ -39,6 +39,12 @@ class _Keeper:
 
     def _start_server(self) -> subprocess.Popen:
         env, flags = _server_env(dict(os.environ))
+        # Prefect's UI asks /ui-settings where its API is, and that answer defaults to the port of Prefect's settings
+        # (4200), not the --port the server was started with: a server that could not have 4200 would send its UI to
+        # whatever else listens there (another PREFECT_HOME's server, with other runs). Both spellings of the setting
+        # are set, so a user's own value of either cannot point our UI elsewhere.
+        for name in ("PREFECT_SERVER_UI_API_URL", "PREFECT_UI_API_URL"):
+            env[name] = self.record.url
         argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port), *flags]
         print(f"[keeper {os.getpid()}] starting: {' '.join(argv)}", flush=True)
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)

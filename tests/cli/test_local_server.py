@@ -310,3 +310,21 @@ def test_a_server_we_start_sends_no_analytics_unless_the_users_settings_ask(tmp_
     (tmp_path / "home" / "profiles.toml").write_text('active = "mine"\n[profiles.mine]\nPREFECT_SERVER_ANALYTICS_ENABLED = "true"\n')
     env, flags = localserver._server_env(base)
     assert flags == [] and "DO_NOT_TRACK" not in env
+
+
+def test_with_two_servers_up_each_ones_ui_reads_its_own_api(prefect_harness, fresh_home, tmp_path):
+    """Prefect's UI asks its server's /ui-settings where the API is. Two of our servers run at once (the session's and
+    this module's), so at most one has port 4200: each must answer its own address, never 4200's (a user would see
+    another server's runs, or "Page not found" for their own)."""
+    import urllib.request
+
+    env = env_for(fresh_home, tmp_path)
+    started = subprocess.run([*CLI, "env", "--track", "--no_import_check"], env=env, capture_output=True, text=True, timeout=600)
+    assert started.returncode == 0, started.stderr[-2000:]
+    records = [prefect_harness, localserver.read_record(fresh_home)]
+    assert records[1] is not None and records[0].port != records[1].port
+    assert any(record.port != localserver.PREFERRED_PORT for record in records)
+    for record in records:
+        with urllib.request.urlopen(f"{record.ui_url}/ui-settings", timeout=60) as answer:
+            settings = json.load(answer)
+        assert settings["api_url"] == record.url == f"http://127.0.0.1:{record.port}/api", (settings, record)
