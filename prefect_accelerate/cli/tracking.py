@@ -33,7 +33,7 @@ def add_tracking_flags(parser: argparse.ArgumentParser, *, tracked_by_default: b
     default_text = "default" if tracked_by_default else "off by default"
     group.add_argument(
         "--track", dest="track", action="store_const", const=True, default=None,
-        help=f"Run as a Prefect flow, recorded by the server at PREFECT_API_URL or the embedded local one ({default_text}).",
+        help=f"Run as a Prefect flow, recorded by the server at PREFECT_API_URL or, with none set, the long-lived local server of PREFECT_HOME ({default_text}).",
     )
     group.add_argument(
         "--no-track", "--no_track", dest="track", action="store_const", const=False,

@@ -92,6 +92,19 @@ def profiles_path(environ: Mapping[str, str], cwd: Path, dotenv: Mapping[str, st
     return Path(home).expanduser() / "profiles.toml" if home else Path("~/.prefect/profiles.toml").expanduser()
 
 
+def _environment_source(env: Mapping[str, str], url: str) -> str:
+    """Where a PREFECT_API_URL in the environment came from. A tracked command that found (or started) the local
+    server of PREFECT_HOME sets the variable itself, for Prefect and its child processes: then that server is the
+    source, not the user's environment."""
+    from prefect_accelerate.localserver import read_record
+
+    home = Path(env.get("PREFECT_HOME") or "~/.prefect").expanduser()
+    record = read_record(home) if url else None
+    if record is not None and record.url == url:
+        return f"the local Prefect server of PREFECT_HOME={home}, see prefect-accelerate server status"
+    return f"the environment variable {API_URL_SETTING}"
+
+
 def prefect_api(environ: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None) -> PrefectApi:
     """Find PREFECT_API_URL the way Prefect 3 settings do, reading files only (no prefect import).
 
@@ -105,7 +118,7 @@ def prefect_api(environ: Mapping[str, str] | None = None, cwd: str | os.PathLike
     env = os.environ if environ is None else environ
     here = Path.cwd() if cwd is None else Path(cwd)
     if API_URL_SETTING in env:  # set, even to "", wins over every file
-        return PrefectApi(env[API_URL_SETTING] or None, f"the environment variable {API_URL_SETTING}")
+        return PrefectApi(env[API_URL_SETTING] or None, _environment_source(env, env[API_URL_SETTING]))
     dotenv = _read_dotenv(here / ".env")
     if API_URL_SETTING in dotenv:
         return PrefectApi(dotenv[API_URL_SETTING] or None, f"{here / '.env'}")

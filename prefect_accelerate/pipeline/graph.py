@@ -223,11 +223,25 @@ def build_graph(request: PipelineRequest, *, host=None, with_status: bool = True
         if step.inputs:
             step.key = step_key(name, step.inputs)
     if with_status:
-        _explain(request, pid, steps, error)
+        _explain(request, pid, steps, error, fingerprint)
     return PipelineGraph(pipeline_id=pid, steps=[steps[n] for n in STEP_NAMES], launch_plan=launch_plan, error=error)
 
 
-def _explain(request: PipelineRequest, pid: str, steps: dict[str, StepPlan], error: str | None) -> None:
+#: the fingerprint facts each environment-derived input is made of (None: all of them)
+_FACTS_OF_INPUT: dict[str, tuple[str, ...] | None] = {"environment": None, "model libraries": ("torch", "transformers", "timm")}
+
+
+def _what_changed(name: str, before: dict[str, Any] | None, now: dict[str, str]) -> str:
+    """The reason "<name> changed", followed, for an input derived from the environment fingerprint, by which facts moved and how."""
+    if name not in _FACTS_OF_INPUT or not isinstance(before, dict):
+        return f"{name} changed"  # a file or settings digest, or a record from before the facts were kept
+    names = _FACTS_OF_INPUT[name] or sorted(set(now) | set(before))
+    moved = [f"{fact} {before.get(fact, '-')} -> {now.get(fact, '-')}" for fact in names if str(before.get(fact, "-")) != str(now.get(fact, "-"))]
+    return f"{name} changed ({', '.join(moved)})" if moved else f"{name} changed"
+
+
+def _explain(request: PipelineRequest, pid: str, steps: dict[str, StepPlan], error: str | None,
+             fingerprint: dict[str, str]) -> None:
     for name in STEP_NAMES:
         step = steps[name]
         if not step.enabled:
@@ -248,9 +262,10 @@ def _explain(request: PipelineRequest, pid: str, steps: dict[str, StepPlan], err
         if last is None:
             step.status, step.reason = "would run", "no earlier run of this pipeline"
         else:
-            changed = [k for k, v in step.inputs.items() if last.get("inputs", {}).get(k) != v]
+            changed = [_what_changed(k, last.get("environment"), fingerprint)
+                       for k, v in step.inputs.items() if last.get("inputs", {}).get(k) != v]
             step.status = "would run"
-            step.reason = (", ".join(changed) + (" changed" if len(changed) > 1 else " changed")) if changed else "no cached result for these inputs"
+            step.reason = ", ".join(changed) if changed else "no cached result for these inputs"
 
 
 # --------------------------------------------------------------------------------------------------

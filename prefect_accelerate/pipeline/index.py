@@ -42,5 +42,9 @@ def record(pipeline_id: str, step: str, key: str, inputs: dict[str, str]) -> Non
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{step}.json"
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, "inputs": inputs, "finished_at": time.time()}, indent=1))
+    # the facts behind the "environment" digest, so `plan` can say which of them changed, not only that one did
+    from prefect_accelerate.pipeline.keys import environment_fingerprint
+
+    tmp.write_text(json.dumps({"key": key, "inputs": inputs, "environment": environment_fingerprint(),
+                               "finished_at": time.time()}, indent=1))
     os.replace(tmp, target)

@@ -71,3 +71,33 @@ def test_plan_track_publishes_the_plan_as_a_table_in_prefect(tmp_path, monkeypat
     assert by_step["env"]["after"] == "config" and by_step["launch"]["after"] == "env"
     assert by_step["memory"]["status"] == "not needed" and by_step["memory"]["why"] == "no model given"
     assert by_step["config"]["status"] in ("would run", "would use cache") and by_step["config"]["why"]
+
+
+def test_plan_names_which_facts_of_the_environment_changed(tmp_path, monkeypatch):
+    """The README promises `plan` says which input changed: for the environment that is the version, device or host
+    fact that moved since the step last ran, not the bare word "environment"."""
+    from transformers import GPT2Config
+
+    from prefect_accelerate.pipeline import graph as graph_module
+    from prefect_accelerate.pipeline import index
+    from prefect_accelerate.pipeline.models import MemorySettings, PipelineRequest
+
+    monkeypatch.setenv("PREFECT_ACCELERATE_STATE_DIR", str(tmp_path / "state"))
+    model = tmp_path / "tiny-gpt2"
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64).save_pretrained(model)
+    config = tmp_path / "cpu.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\n")
+    request = PipelineRequest(script=str(EXAMPLE), config_file=str(config), model=str(model),
+                              memory=MemorySettings(device_memory="8GiB"), run_install_test=False)
+    graph = graph_module.build_graph(request)
+    for step in graph.enabled():
+        if step.key:  # as a finished pipeline run leaves them
+            index.record(graph.pipeline_id, step.name, step.key, step.inputs)
+    assert all(s.status == "would use cache" for s in graph_module.build_graph(request).enabled() if s.name != "launch")
+
+    real = graph_module.environment_fingerprint()
+    monkeypatch.setattr(graph_module, "environment_fingerprint", lambda: {**real, "torch": "9.9.9", "python": "3.99.0"})
+    graph = graph_module.build_graph(request)
+    assert graph.step("env").reason == f"environment changed (python {real['python']} -> 3.99.0, torch {real['torch']} -> 9.9.9)"
+    assert graph.step("memory").reason == f"model libraries changed (torch {real['torch']} -> 9.9.9)"
+    assert graph.step("config").status == "would use cache"

@@ -105,3 +105,18 @@ print(json.dumps(out))
     ours = {name: prefect_api({**clean_env(Path(folder)), **env}, folder).url for name, (folder, env) in cases.items()}
     assert ours == theirs
     assert theirs["profile"] == "http://10.0.0.5:4200/api" and theirs["nothing"] is None
+
+
+def test_a_url_a_tracked_command_took_from_the_local_servers_record_is_not_called_the_users_variable(tmp_path):
+    """A tracked command sets PREFECT_API_URL itself once it found the local server; `check` then reports that
+    server, not "the environment variable", while a variable the user set to another address still reads as theirs."""
+    from prefect_accelerate import localserver
+
+    home = tmp_path / "prefect-home"
+    record = localserver.ServerRecord(url="http://127.0.0.1:45123/api", port=45123, keeper_pid=os.getpid(), state="ready")
+    localserver._write_record(home, record)
+    api = prefect_api(clean_env(tmp_path, PREFECT_API_URL=record.url), tmp_path)
+    assert api.url == record.url and "environment variable" not in api.source
+    assert f"local Prefect server of PREFECT_HOME={home}" in api.describe()
+    other = prefect_api(clean_env(tmp_path, PREFECT_API_URL="http://127.0.0.1:4200/api"), tmp_path)
+    assert other.source == "the environment variable PREFECT_API_URL"
