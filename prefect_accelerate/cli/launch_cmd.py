@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -87,6 +88,28 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print_plan(plan, args.json)
         return 0
+    # a run folder that cannot be made is one line of error, not a screen of defaults warnings and then the error
+    made = _make_run_dir_first(plan.run_dir)
+    try:
+        return _run_planned(args, options, plan)
+    finally:
+        if made is not None:
+            with contextlib.suppress(OSError):
+                made.rmdir()  # only if the command ended before anything was written there
+
+
+def _make_run_dir_first(run_dir: str | None):
+    """Create the launch's named run folder now (a UsageError if it cannot be); the folder, when this call made it."""
+    if not run_dir or os.path.isdir(run_dir):
+        return None
+    from pathlib import Path
+
+    from prefect_accelerate.launchers.state import make_private_dir
+
+    return make_private_dir(Path(run_dir), "run folder")
+
+
+def _run_planned(args: argparse.Namespace, options, plan) -> int:
     for note in plan.notes:
         print(f"[prefect-accelerate] {note}", file=sys.stderr)
     for warning in plan.warnings:

@@ -32,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
         configs=args.configs, model=args.model, memory=MemorySettings(device_memory=args.device_memory),
         run_install_test=args.run_install_test, max_concurrency=args.max_concurrency, force=["all"] if args.force else [],
     )
+    from prefect_accelerate.pipeline.validate import expand_configs
+
+    # the inputs first: a pattern that matches nothing is one line of error, before any Prefect server starts
+    expand_configs(request.configs)
     if should_track(args):
         from prefect_accelerate.errors import PreflightError
         from prefect_accelerate.flows.validate import validate_configs
@@ -45,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             raise outcome
         results = outcome.configs
     else:
-        from prefect_accelerate.pipeline.validate import expand_configs, validate_one
+        from prefect_accelerate.pipeline.validate import validate_one
 
         results = [validate_one(path, request) for path in expand_configs(request.configs)]
     for result in results:

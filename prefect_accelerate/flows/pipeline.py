@@ -22,7 +22,7 @@ from prefect_accelerate.flows.launch import end_launch_processes
 from prefect_accelerate.pipeline import index, naming
 from prefect_accelerate.pipeline.graph import build_graph, launch_options, upstream
 from prefect_accelerate.pipeline.models import PREFLIGHT_STEPS, PipelineRequest, PipelineResult, PreflightReport, StepOutcome
-from prefect_accelerate.pipeline.steps import failure_text
+from prefect_accelerate.pipeline.steps import failure_exit_code, failure_text
 from prefect_accelerate.tasks import artifacts
 from prefect_accelerate.tasks import pipeline as step_tasks
 
@@ -112,7 +112,7 @@ class _Runner:
         self.states: dict[str, Any] = {}
         self.outcomes: dict[str, StepOutcome] = {}
         self.results: dict[str, Any] = {}
-        self.failed: tuple[str, str] | None = None
+        self.failed: tuple[str, str, int] | None = None  # step, message, exit code
 
     def waits_for(self, name: str) -> list[Any]:
         """The steps `name` follows in the DAG, as futures: Prefect records exactly these as its edges."""
@@ -152,7 +152,7 @@ class _Runner:
         error = state.result(raise_on_failure=False)
         text = failure_text(error) if isinstance(error, BaseException) else str(state.message or state.name)
         self.outcomes[name] = StepOutcome(step=name, status="failed", duration_s=duration, reason=text)
-        self.failed = (name, text)
+        self.failed = (name, text, failure_exit_code(error))
         return False
 
     def _publish(self, name: str, state, cached: bool) -> None:
@@ -186,7 +186,8 @@ class _Runner:
         ok = self.failed is None
         message = "Every preflight step passed." if ok else f"Preflight step {self.failed[0]} failed: {self.failed[1]}"
         data = {k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in self.results.items()}
-        return PreflightReport(ok=ok, steps=rows, failed_step=self.failed[0] if self.failed else None, message=message, results=data)
+        return PreflightReport(ok=ok, steps=rows, failed_step=self.failed[0] if self.failed else None, message=message,
+                               exit_code=self.failed[2] if self.failed else 0, results=data)
 
 
 def summary_rows(report: PreflightReport, graph=None) -> list[dict[str, Any]]:
@@ -232,11 +233,11 @@ def _summary(key_kind: str, request: PipelineRequest, runner: _Runner, report: P
     artifacts.publish(naming.artifact_key(key_kind, request), table=rows, description=outcome or report.message)
 
 
-def _failed(message: str):
+def _failed(message: str, exit_code: int = 1):
     """The run's final state for an expected failure: the message once, no traceback, no stored exception
     (a persisted exception would also show as an unnamed result artifact). Callers of the flow function still
     get the PreflightError raised."""
-    return Failed(message=message, data=PreflightError(message))
+    return Failed(message=message, data=PreflightError(message, exit_code=exit_code))
 
 
 @flow(name="pipeline-plan", flow_run_name=_run_name("plan"))
@@ -259,7 +260,7 @@ def preflight(request: PipelineRequest) -> PreflightReport:
     _log_steps(report)
     _summary(SUMMARY_ARTIFACT, request, runner, report)
     if not report.ok:
-        return _failed(report.message)
+        return _failed(report.message, report.exit_code)
     return report
 
 
@@ -316,7 +317,7 @@ def launch_training(request: PipelineRequest) -> PipelineResult:
 
     if not report.ok:
         summary("skipped", "not started: a preflight step failed")
-        return _failed(report.message + " Nothing was launched.")
+        return _failed(report.message + " Nothing was launched.", report.exit_code)
     options = launch_options(request)
     plan = plan_launch(options, cwd=request.cwd)
     approved = None

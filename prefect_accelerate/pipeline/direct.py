@@ -43,11 +43,12 @@ def run_preflight_direct(
             results[name] = calls[name]()
             outcomes.append(StepOutcome(step=name, status="ran", duration_s=round(time.monotonic() - started, 2)))
         except Exception as error:
-            failed = (name, steps.failure_text(error))
+            failed = (name, steps.failure_text(error), steps.failure_exit_code(error))
             outcomes.append(StepOutcome(step=name, status="failed", duration_s=round(time.monotonic() - started, 2), reason=failed[1]))
     message = "Every preflight step passed." if failed is None else f"Preflight step {failed[0]} failed: {failed[1]}"
     data = {k: (v.model_dump(mode="json") if hasattr(v, "model_dump") else v) for k, v in results.items()}
-    return PreflightReport(ok=failed is None, steps=outcomes, failed_step=failed[0] if failed else None, message=message, results=data)
+    return PreflightReport(ok=failed is None, steps=outcomes, failed_step=failed[0] if failed else None, message=message,
+                          exit_code=failed[2] if failed else 0, results=data)
 
 
 def run_pipeline_direct(request: PipelineRequest, on_line: Callable[[str, str], None] | None = None) -> PipelineResult:
@@ -57,7 +58,7 @@ def run_pipeline_direct(request: PipelineRequest, on_line: Callable[[str, str], 
 
     report = run_preflight_direct(request, on_line=on_line)
     if not report.ok:
-        raise PreflightError(report.message + " Nothing was launched.")
+        raise PreflightError(report.message + " Nothing was launched.", exit_code=report.exit_code)
     options = launch_options(request)
     result = execute(plan_launch(options, cwd=request.cwd), on_line=on_line, timeout=options.timeout, grace=options.grace_period)
     return PipelineResult(preflight=report, launched=True, launch=result.raise_for_failure())

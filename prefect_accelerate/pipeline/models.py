@@ -73,6 +73,8 @@ class PreflightReport(BaseModel):
     steps: list[StepOutcome] = Field(default_factory=list)
     failed_step: str | None = None
     message: str = ""
+    #: what the CLI exits with when a step failed: 2 for bad input (a missing config file, a bad flag), else 1
+    exit_code: int = 0
     results: dict[str, Any] = Field(default_factory=dict, description="Each step's result (pydantic models as data).")
 
     def step(self, name: str) -> StepOutcome | None:

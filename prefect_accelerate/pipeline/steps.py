@@ -137,6 +137,11 @@ def install_test_step(request: PipelineRequest, timeout: float = 600.0, on_line=
     return report
 
 
+def failure_exit_code(error: object) -> int:
+    """The exit code a failed step passes on: its own error's (2 for a bad input), else 1."""
+    return error.exit_code if isinstance(error, PrefectAccelerateError) else 1
+
+
 def failure_text(error: BaseException) -> str:
     if isinstance(error, PrefectAccelerateError):
         return error.message
