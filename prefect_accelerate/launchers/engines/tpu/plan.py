@@ -1,6 +1,6 @@
 """TPU launches (reference §4.3.4): one TPU host, or every worker of a TPU VM pod.
 
-Single host (`--tpu`): a local process, `python -m prefect_accelerate.launchers.tpu_runner`, imports the
+Single host (`--tpu`): a local process, `python -m prefect_accelerate.launchers.engines.tpu.runner`, imports the
 script and runs its main function through torch_xla's launcher (runner.py). The environment is
 Accelerate's: ACCELERATE_DEBUG_MODE with --debug, XLA_USE_BF16 / XLA_DOWNCAST_BF16 for bf16 on a TPU
 (decided by the runner, which can ask torch_xla whether it is on a TPU).
@@ -38,8 +38,8 @@ from prefect_accelerate.launchers.engines.tpu.gcloud import TPU_BLOCK_ENV, TpuPo
 from prefect_accelerate.launchers.host import HostProbe
 from prefect_accelerate.launchers.plan import LaunchPlan
 
-RUNNER_MODULE = "prefect_accelerate.launchers.tpu_runner"
-POD_DRIVER_MODULE = "prefect_accelerate.launchers.tpu_pod"
+RUNNER_MODULE = "prefect_accelerate.launchers.engines.tpu.runner"
+POD_DRIVER_MODULE = "prefect_accelerate.launchers.engines.tpu.pod"
 #: the driver's instructions, written into the run folder before the launch
 POD_SPEC_FILE = "tpu-pod.json"
 #: where each worker records the pid of its launch (so a cancelled launch can stop it)

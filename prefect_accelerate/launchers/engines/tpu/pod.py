@@ -1,6 +1,6 @@
 """The local process of a TPU pod launch: stage files, run the gcloud steps, stop the workers when stopped.
 
-    python -m prefect_accelerate.launchers.tpu_pod <run folder>/tpu-pod.json
+    python -m prefect_accelerate.launchers.engines.tpu.pod <run folder>/tpu-pod.json
 
 The JSON file is the plan's (plan.py): the exact gcloud commands, in order, and the one that
 stops the workers. The launch supervisor (process.py) runs this driver like any launch, so its output
@@ -109,7 +109,7 @@ def run_spec(spec: dict) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m prefect_accelerate.launchers.tpu_pod <tpu-pod.json>", file=sys.stderr)
+        print("usage: python -m prefect_accelerate.launchers.engines.tpu.pod <tpu-pod.json>", file=sys.stderr)
         return 2
     spec = json.loads(Path(args[0]).read_text())
     return run_spec(spec)

@@ -1,6 +1,6 @@
 """The single-host TPU launch, as the process a TPU plan starts (reference §4.3.4).
 
-    python -m prefect_accelerate.launchers.tpu_runner [--module] [--main_training_function main]
+    python -m prefect_accelerate.launchers.engines.tpu.runner [--module] [--main_training_function main]
         [--bf16 use|downcast] -- script.py [script args...]
 
 It imports the training script (or the module, with --module), finds its main function and runs it
@@ -49,7 +49,7 @@ class MainFunction:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m prefect_accelerate.launchers.tpu_runner", allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="python -m prefect_accelerate.launchers.engines.tpu.runner", allow_abbrev=False)
     parser.add_argument("--module", action="store_true", help="The script is a module name (launch -m).")
     parser.add_argument("--main_training_function", default="main")
     parser.add_argument("--bf16", choices=("use", "downcast"), default=None)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # run the imported module's main, so MainFunction pickles as tpu_runner.MainFunction, not __main__'s
+    # run the imported module's main, so MainFunction pickles as engines.tpu.runner.MainFunction, not __main__'s
     from prefect_accelerate.launchers.engines.tpu.runner import main as _main
 
     sys.exit(_main())

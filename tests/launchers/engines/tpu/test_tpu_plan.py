@@ -92,7 +92,7 @@ def test_single_host_plan_matches_golden_file(name, tmp_path, stand_in_xla):
 
 def test_single_host_runs_the_runner_module_with_the_script_after_a_separator(tmp_path, stand_in_xla):
     plan, _ = plan_from_argv(["--tpu", *BASE, "train.py", "--lr", "1"], tmp_path)
-    assert plan.argv == ("PYTHON", "-m", "prefect_accelerate.launchers.tpu_runner", "--main_training_function", "main",
+    assert plan.argv == ("PYTHON", "-m", "prefect_accelerate.launchers.engines.tpu.runner", "--main_training_function", "main",
                          "--", "train.py", "--lr", "1")
 
 

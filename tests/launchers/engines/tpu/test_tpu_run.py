@@ -116,7 +116,7 @@ def test_a_failing_training_function_fails_the_launch_with_its_exit_code(xla, mo
 
 def test_the_runner_without_torch_xla_says_which_extra_to_install(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, "-m", "prefect_accelerate.launchers.tpu_runner", "--", str(TRAIN)], env=env,
+    done = subprocess.run([sys.executable, "-m", "prefect_accelerate.launchers.engines.tpu.runner", "--", str(TRAIN)], env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "pip install 'prefect-accelerate[tpu]'" in done.stderr and "torch_xla" in done.stderr
