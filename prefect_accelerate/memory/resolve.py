@@ -205,8 +205,11 @@ def _timm_hint(name: str) -> str:
 
 
 def _hub_source(name: str, library_name: str | None) -> ModelSource:
-    if hub_offline():
+    try:
         from huggingface_hub import constants
+    except ImportError:  # offline or not, a Hub id is looked up through huggingface_hub
+        raise DependencyError.missing("huggingface_hub", "transformers", f"Looking up `{name}` on the Hub") from None
+    if hub_offline():
 
         not_timm = (_timm_import_problem() if "/" not in name else None) or "it is not a timm architecture name"
         raise EstimateError(
