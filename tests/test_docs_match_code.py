@@ -127,3 +127,20 @@ def test_the_docs_cite_no_file_that_is_not_in_the_repository():
             base = doc.parent if not target.startswith(roots) else REPO
             path = (base / target) if (base / target).exists() else (REPO / target)
             assert path.exists(), f"{doc.relative_to(REPO)} cites {target}, which is not in the repository"
+
+
+def test_run_folders_follow_xdg_cache_home_as_the_readme_says(tmp_path, monkeypatch):
+    from prefect_accelerate.launchers.state import STATE_ENV, new_run_dir
+
+    monkeypatch.delenv(STATE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert new_run_dir().parent == tmp_path / "xdg" / "prefect-accelerate" / "runs"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert new_run_dir().parent == Path("~/.cache/prefect-accelerate/runs").expanduser()
+    monkeypatch.setenv(STATE_ENV, str(tmp_path / "state"))
+    assert new_run_dir().parent == tmp_path / "state" / "runs"
+    assert "`$XDG_CACHE_HOME/prefect-accelerate/runs` (`~/.cache/prefect-accelerate/runs` when `XDG_CACHE_HOME` is unset;" in README
+
+
+def test_the_readme_states_no_test_count_that_no_test_keeps():
+    assert not re.search(r"\b\d{3,} tests\b", README)
