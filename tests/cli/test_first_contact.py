@@ -73,3 +73,17 @@ def test_validate_with_no_matching_file_says_so_before_any_prefect_server_starts
         f"error: No config files match {str(tmp_path / 'nothing-here-*.yaml')!r}. Pass files, folders holding .yaml/.json "
         "configs, or glob patterns."]
     assert not (tmp_path / "prefect-home" / "prefect-accelerate").exists()  # no local server was started or recorded
+
+
+@pytest.mark.slow
+def test_check_says_its_api_url_came_from_the_local_servers_record(prefect_harness, tmp_path):
+    """With no PREFECT_API_URL set, a tracked `check` reports to the session's local server, found from its record; its
+    report names that server as the source, not an environment variable the user never set."""
+    config = tmp_path / "cpu.yaml"
+    config.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nmixed_precision: 'no'\n")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    done = cli("check", "--track", "--config_file", str(config), cwd=tmp_path, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stdout.splitlines() if "Prefect API URL" in line)
+    assert prefect_harness.url in line and "the local Prefect server of PREFECT_HOME=" in line, line
+    assert "environment variable" not in line
