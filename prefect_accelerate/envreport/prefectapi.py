@@ -9,6 +9,7 @@ long-lived local server of PREFECT_HOME (localserver.py; DESIGN.md §4, "Prefect
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -96,11 +97,14 @@ def _environment_source(env: Mapping[str, str], url: str) -> str:
     """Where a PREFECT_API_URL in the environment came from. A tracked command that found (or started) the local
     server of PREFECT_HOME sets the variable itself, for Prefect and its child processes: then that server is the
     source, not the user's environment."""
-    from prefect_accelerate.localserver import read_record
-
     home = Path(env.get("PREFECT_HOME") or "~/.prefect").expanduser()
-    record = read_record(home) if url else None
-    if record is not None and record.url == url:
+    # the record localserver writes (localserver.record_path), read here as plain JSON: localserver itself reads
+    # this module, and nothing more than its address is needed
+    try:
+        recorded = json.loads((home / "prefect-accelerate" / "server.json").read_text()).get("url")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if url and recorded == url:
         return f"the local Prefect server of PREFECT_HOME={home}, see prefect-accelerate server status"
     return f"the environment variable {API_URL_SETTING}"
 

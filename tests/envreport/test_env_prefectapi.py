@@ -120,3 +120,10 @@ def test_a_url_a_tracked_command_took_from_the_local_servers_record_is_not_calle
     assert f"local Prefect server of PREFECT_HOME={home}" in api.describe()
     other = prefect_api(clean_env(tmp_path, PREFECT_API_URL="http://127.0.0.1:4200/api"), tmp_path)
     assert other.source == "the environment variable PREFECT_API_URL"
+
+
+def test_the_local_server_record_is_read_where_localserver_writes_it(tmp_path):
+    from prefect_accelerate import localserver
+
+    home = tmp_path / "prefect-home"
+    assert localserver.record_path(home) == home / "prefect-accelerate" / "server.json"
