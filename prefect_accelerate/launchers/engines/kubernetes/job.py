@@ -516,7 +516,7 @@ def _follow(run: KubernetesJobRun, output: LineCallback, timeout: float | None, 
 
 def run_job(plan: LaunchPlan, *, on_line: LineCallback | None = None, timeout: float | None = None,
             grace: float = STOP_WAIT_SECONDS, flow_run_id: str | None = None, task_run_id: str | None = None,
-            poll_seconds: float = POLL_SECONDS, client: Any = None) -> KubernetesLaunchResult:
+            poll_seconds: float | None = None, client: Any = None) -> KubernetesLaunchResult:
     """Submit the plan's job and follow it to the end (or the deadline). Interrupts delete the job and re-raise.
 
     Returns:
@@ -548,7 +548,7 @@ def run_job(plan: LaunchPlan, *, on_line: LineCallback | None = None, timeout: f
                                                    "context": request.get("context"), "flow_run_id": flow_run_id,
                                                    "task_run_id": task_run_id})
             try:
-                run = KubernetesJobRun.submit(plan, output=output, poll_seconds=poll_seconds, client=client)
+                run = KubernetesJobRun.submit(plan, output=output, poll_seconds=poll_seconds or POLL_SECONDS, client=client)
                 _follow(run, output, timeout, grace, started)
             finally:
                 remove_record(KUBERNETES_JOBS, record)

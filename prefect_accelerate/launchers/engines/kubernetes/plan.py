@@ -33,6 +33,10 @@ INDEX_REF = f"$({INDEX_ENV})"
 POD_PYTHON = "python"
 ENTRY_MODULE = "prefect_accelerate.launchers.engines.kubernetes.pod_entry"
 DEFAULT_NAMESPACE = "default"
+#: the last defaults, after flags and the block: deployments/kubernetes/base-job-template.json sets them in a flow-run
+#: pod to that pod's own image and namespace, so the training pods run what the flow runs, where it runs
+IMAGE_ENV = "PREFECT_ACCELERATE_KUBERNETES_IMAGE"
+NAMESPACE_ENV = "PREFECT_ACCELERATE_KUBERNETES_NAMESPACE"
 DEFAULT_PORT = 29500
 DEFAULT_DNS_TIMEOUT = 600.0
 #: DNS labels (pod hostnames, Job and Service names) are at most 63 characters
@@ -74,20 +78,21 @@ def _pick(flag, block_value, default=None):  # noqa: ANN001, ANN202
 
 
 def settings_from(options) -> KubernetesSettings:
-    """Merge the cluster block (when --kubernetes_block names one) under the flags, and check every value."""
+    """Merge the cluster block (when --kubernetes_block names one) under the flags, then the IMAGE_ENV and NAMESPACE_ENV
+    defaults, and check every value."""
     block: dict = {}
     if options.kubernetes_block:
         from prefect_accelerate.launchers.engines.kubernetes.block import load_cluster_block
 
         block = load_cluster_block(options.kubernetes_block)
-    image = _pick(options.kubernetes_image, block.get("image"))
+    image = _pick(options.kubernetes_image, block.get("image"), os.environ.get(IMAGE_ENV) or None)
     if not image:
         raise UsageError(
             "--kubernetes needs the container image every pod runs (with Python, torch, prefect-accelerate and your "
-            "training script). Pass --kubernetes_image REGISTRY/IMAGE:TAG, or save it as `image` in a "
-            "KubernetesClusterBlock named with --kubernetes_block."
+            "training script). Pass --kubernetes_image REGISTRY/IMAGE:TAG, save it as `image` in a KubernetesClusterBlock "
+            f"named with --kubernetes_block, or set {IMAGE_ENV}."
         )
-    namespace = _pick(options.kubernetes_namespace, block.get("namespace"), DEFAULT_NAMESPACE)
+    namespace = _pick(options.kubernetes_namespace, block.get("namespace"), os.environ.get(NAMESPACE_ENV) or DEFAULT_NAMESPACE)
     _check(_DNS_LABEL.match(namespace) and len(namespace) <= MAX_LABEL, "--kubernetes_namespace", namespace,
            "a namespace is a DNS label: lower-case letters, digits and '-', at most 63 characters")
     gpus = int(_pick(options.kubernetes_gpus_per_node, block.get("gpus_per_node"), 0))

@@ -240,3 +240,28 @@ def test_no_kubeconfig_is_one_paragraph_exit_2(tmp_path, monkeypatch):
     with pytest.raises(LaunchError, match="No Kubernetes cluster to submit to") as caught:
         kjob.api_client()
     assert caught.value.exit_code == 2
+
+
+@pytest.mark.parametrize(("pod_codes", "exit_code"), [((0, 0), 0), ((0, 5), 5)])
+def test_launch_kubernetes_from_the_command_line_exits_with_the_trainings_code(cluster, tmp_path, monkeypatch, capsys, pod_codes, exit_code):
+    from prefect_accelerate.cli.main import main
+
+    monkeypatch.setattr(kjob, "POLL_SECONDS", 0.05)
+    argv = ["launch", "--no-track", "--kubernetes", "--kubernetes_image", "ghcr.io/acme/train:1", "--cpu", "--num_machines", "2",
+            "--num_processes", "2", "--run_dir", str(tmp_path / "run"), "train.py", "--epochs", "1"]
+    name = _plan(tmp_path).request["job_name"]  # derived from the script, the run folder and the node count
+
+    def finish():
+        for index in (0, 1):
+            cluster.run_pod(name, index)
+            cluster.log(name, index, f"[default0]:node {index} says hello")
+        time.sleep(0.2)
+        for index, code in enumerate(pod_codes):
+            cluster.finish_pod(name, index, code)
+
+    _background(cluster, name, [(0.05, finish)])
+    assert main(argv) == exit_code
+    out = capsys.readouterr()
+    assert "[node 1 rank 1] node 1 says hello" in out.out
+    if exit_code:
+        assert f"exit code {exit_code}" in out.err and "node 1" in out.err

@@ -57,6 +57,7 @@ def _documents(plan) -> list[dict]:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_dry_run_matches_golden_file(name, monkeypatch):
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")
+    monkeypatch.delenv(kplan.NAMESPACE_ENV, raising=False)
     text = _plan(CASES[name]).describe() + "\n"
     path = GOLDEN / f"{name}.yaml"
     if os.environ.get("PREFECT_ACCELERATE_UPDATE_GOLDEN") == "1":
@@ -241,14 +242,20 @@ def test_cluster_block_values_fill_in_what_flags_leave_out(monkeypatch):
         kubernetes_validate.validate(document, K8S_VERSION, strict=True)
 
 
-def test_the_kubernetes_deployment_plans_an_indexed_job_over_two_pods():
+def test_the_kubernetes_deployment_plans_an_indexed_job_over_two_pods_with_the_flow_pods_image(monkeypatch):
     from prefect_accelerate.flows.pipeline import launch_options
     from prefect_accelerate.pipeline.models import PipelineRequest
+
+    # what deployments/kubernetes/base-job-template.json puts into the flow run's pod
+    monkeypatch.setenv(kplan.IMAGE_ENV, "ghcr.io/acme/prefect-accelerate:1")
+    monkeypatch.setenv(kplan.NAMESPACE_ENV, "ml")
 
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     request = PipelineRequest.model_validate(next(d for d in spec["deployments"] if d["name"] == "kubernetes")["parameters"]["request"])
     plan = kplan.plan(launch_options(request), StaticHost(), cwd="/opt/prefect/prefect-accelerate", run_dir="/runs/r2")
     service, job = _documents(plan)
     assert plan.launcher == "kubernetes" and job["spec"]["completions"] == 2
+    assert job["metadata"]["namespace"] == service["metadata"]["namespace"] == "ml"
+    assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/acme/prefect-accelerate:1"
     for document in (service, job):
         kubernetes_validate.validate(document, K8S_VERSION, strict=True)
