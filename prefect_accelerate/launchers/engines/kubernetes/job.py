@@ -466,11 +466,16 @@ def delete_recorded_jobs(flow_run_id: str | None = None) -> list[str]:
     """Hook helper: delete (foreground) the Kubernetes jobs recorded for `flow_run_id` (all when None). Idempotent."""
     deleted = []
     for data in read_records(KUBERNETES_JOBS, flow_run_id, this_host=False):
-        with contextlib.suppress(Exception):
+        where = f"{data.get('namespace')}/{data.get('job_name')}"
+        try:
             run = KubernetesJobRun(data["job_name"], data["namespace"], context=data.get("context"))
             run.stopped = True
             run._delete()
-            deleted.append(f"{data['namespace']}/{data['job_name']}")
+        except Exception as error:  # the record stays, so the next hook (or a second cancel) tries again
+            print(f"prefect-accelerate: could not delete Kubernetes job {where} ({error}); delete it with "
+                  f"`kubectl delete job {data.get('job_name')} -n {data.get('namespace')} --cascade=foreground`.")
+            continue
+        deleted.append(where)
         with contextlib.suppress(FileNotFoundError):
             Path(data["_path"]).unlink()
     return deleted

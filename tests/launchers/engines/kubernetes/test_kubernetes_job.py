@@ -220,6 +220,17 @@ def test_the_flows_cancellation_hook_deletes_the_recorded_job(cluster, tmp_path)
     assert kjob.delete_recorded_jobs("flow-1") == []  # idempotent: the record is gone
 
 
+def test_a_job_the_hook_could_not_delete_keeps_its_record_for_the_next_try(cluster, tmp_path, monkeypatch, capsys):
+    kjob.write_record(kjob.KUBERNETES_JOBS, "r-kept", {"job_name": "pa-kept-000000", "namespace": "default", "flow_run_id": "flow-2"})
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))  # the cluster cannot be reached now
+    assert kjob.delete_recorded_jobs("flow-2") == []
+    assert "kubectl delete job pa-kept-000000 -n default --cascade=foreground" in capsys.readouterr().out
+    assert [r["job_name"] for r in kjob.read_records(kjob.KUBERNETES_JOBS, "flow-2", this_host=False)] == ["pa-kept-000000"]
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig(tmp_path)))
+    assert kjob.delete_recorded_jobs("flow-2") == ["default/pa-kept-000000"]  # 404: already gone counts as deleted
+    assert kjob.read_records(kjob.KUBERNETES_JOBS, "flow-2", this_host=False) == []
+
+
 def test_the_engine_hook_of_launch_flows_reaches_kubernetes_jobs():
     from prefect_accelerate.launchers.engines import ENGINES
 
@@ -265,3 +276,18 @@ def test_launch_kubernetes_from_the_command_line_exits_with_the_trainings_code(c
     assert "[node 1 rank 1] node 1 says hello" in out.out
     if exit_code:
         assert f"exit code {exit_code}" in out.err and "node 1" in out.err
+
+
+def test_the_launch_flows_cancellation_hook_deletes_a_running_kubernetes_job(cluster, tmp_path):
+    from types import SimpleNamespace
+
+    from prefect_accelerate.flows.launch import end_launch_processes
+
+    run = kjob.KubernetesJobRun.submit(_plan(tmp_path), output=lambda *a: None)
+    cluster.run_pod(run.name, 0)
+    cluster.run_pod(run.name, 1)
+    kjob.write_record(kjob.KUBERNETES_JOBS, "r-hook", {"job_name": run.name, "namespace": "default", "flow_run_id": "0f1e-cancelled"})
+    end_launch_processes(None, SimpleNamespace(id="0f1e-cancelled"), None)  # what Prefect calls on Cancelling/Crashed
+    assert cluster.pod_names(run.name) == []
+    assert run.describe().state == "Unknown"  # gone from the API
+    assert ("default", run.name) not in cluster.jobs and ("default", run.name) not in cluster.services
