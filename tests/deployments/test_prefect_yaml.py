@@ -94,8 +94,11 @@ def test_the_kubernetes_work_pools_template_renders_a_valid_job_that_hands_its_i
     manifest = apply_values(template["job_configuration"], values)["job_manifest"]
     manifest["spec"]["template"]["spec"]["containers"][0]["args"] = ["prefect", "flow-run", "execute"]  # the worker splits it
     kubernetes_validate.validate(manifest, kubernetes_validate.latest_version(), strict=True)
-    env = {e["name"]: e["value"] for e in manifest["spec"]["template"]["spec"]["containers"][0]["env"]}
-    assert env == {"PREFECT_ACCELERATE_KUBERNETES_IMAGE": "ghcr.io/acme/prefect-accelerate:1", "PREFECT_ACCELERATE_KUBERNETES_NAMESPACE": "ml"}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in manifest["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env == {"PREFECT_ACCELERATE_KUBERNETES_IMAGE": "ghcr.io/acme/prefect-accelerate:1", "PREFECT_ACCELERATE_KUBERNETES_NAMESPACE": "ml",
+                   # the downward API: the training Job names this pod as its owner
+                   "PREFECT_ACCELERATE_OWNER_POD": {"fieldRef": {"fieldPath": "metadata.name"}},
+                   "PREFECT_ACCELERATE_OWNER_POD_UID": {"fieldRef": {"fieldPath": "metadata.uid"}}}
     assert manifest["spec"]["template"]["spec"]["serviceAccountName"] == "prefect-accelerate-launcher"
 
 

@@ -37,6 +37,11 @@ DEFAULT_NAMESPACE = "default"
 #: pod to that pod's own image and namespace, so the training pods run what the flow runs, where it runs
 IMAGE_ENV = "PREFECT_ACCELERATE_KUBERNETES_IMAGE"
 NAMESPACE_ENV = "PREFECT_ACCELERATE_KUBERNETES_NAMESPACE"
+#: the flow-run pod's name and uid (the base job template sets them from the downward API): a training Job in that
+#: pod's namespace names the pod as its owner, so Kubernetes deletes the Job (and its pods) when the flow-run pod
+#: goes, even if nothing in it ran a cleanup (a SIGKILL, a lost node)
+OWNER_POD_ENV = "PREFECT_ACCELERATE_OWNER_POD"
+OWNER_UID_ENV = "PREFECT_ACCELERATE_OWNER_POD_UID"
 DEFAULT_PORT = 29500
 DEFAULT_DNS_TIMEOUT = 600.0
 #: DNS labels (pod hostnames, Job and Service names) are at most 63 characters
@@ -71,6 +76,8 @@ class KubernetesSettings:
     dns_timeout: float = DEFAULT_DNS_TIMEOUT
     #: the kubeconfig context the client uses (from the block only); None: the current one, or in-cluster
     context: str | None = None
+    #: (name, uid) of the flow-run pod that owns the Job, when the launch runs in such a pod in the same namespace
+    owner_pod: tuple[str, str] | None = None
 
 
 def _pick(flag, block_value, default=None):  # noqa: ANN001, ANN202
@@ -128,8 +135,15 @@ def settings_from(options) -> KubernetesSettings:
         node_selector=tuple(sorted(selector.items())), tolerations=tuple(tuple(t.items()) for t in tolerations),
         secret_env=tuple((name, secret, key) for name, (secret, key) in secret_env.items()),
         working_dir=_pick(options.kubernetes_working_dir, block.get("working_dir")), dns_timeout=timeout,
-        context=block.get("context"),
+        context=block.get("context"), owner_pod=_owner_pod(namespace),
     )
+
+
+def _owner_pod(namespace: str) -> tuple[str, str] | None:
+    name, uid = os.environ.get(OWNER_POD_ENV), os.environ.get(OWNER_UID_ENV)
+    if not (name and uid) or os.environ.get(NAMESPACE_ENV) != namespace:
+        return None  # an owner must be in the same namespace as what it owns
+    return name, uid
 
 
 def _check(ok, flag: str, value, why: str) -> None:  # noqa: ANN001
@@ -341,9 +355,12 @@ def manifests(launch: LaunchPlan, settings: KubernetesSettings, name: str, machi
         pod_spec["nodeSelector"] = dict(settings.node_selector)
     if settings.tolerations:
         pod_spec["tolerations"] = [dict(t) for t in settings.tolerations]
+    job_meta: dict = {"name": name, "namespace": settings.namespace, "labels": dict(labels)}
+    if settings.owner_pod:
+        job_meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": settings.owner_pod[0], "uid": settings.owner_pod[1]}]
     job = {
         "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": name, "namespace": settings.namespace, "labels": dict(labels)},
+        "metadata": job_meta,
         "spec": {
             "completionMode": "Indexed", "completions": machines, "parallelism": machines,
             # one failed pod fails the Job (and the Job controller ends the other pods): never a patched-up world

@@ -57,7 +57,8 @@ def _documents(plan) -> list[dict]:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_dry_run_matches_golden_file(name, monkeypatch):
     monkeypatch.setenv("PYTHONUNBUFFERED", "1")
-    monkeypatch.delenv(kplan.NAMESPACE_ENV, raising=False)
+    for variable in (kplan.NAMESPACE_ENV, kplan.OWNER_POD_ENV, kplan.OWNER_UID_ENV):
+        monkeypatch.delenv(variable, raising=False)
     text = _plan(CASES[name]).describe() + "\n"
     path = GOLDEN / f"{name}.yaml"
     if os.environ.get("PREFECT_ACCELERATE_UPDATE_GOLDEN") == "1":
@@ -249,6 +250,8 @@ def test_the_kubernetes_deployment_plans_an_indexed_job_over_two_pods_with_the_f
     # what deployments/kubernetes/base-job-template.json puts into the flow run's pod
     monkeypatch.setenv(kplan.IMAGE_ENV, "ghcr.io/acme/prefect-accelerate:1")
     monkeypatch.setenv(kplan.NAMESPACE_ENV, "ml")
+    monkeypatch.setenv(kplan.OWNER_POD_ENV, "launch-training-abc12-x7k2p")
+    monkeypatch.setenv(kplan.OWNER_UID_ENV, "5a1c2f0e-4b7d-4e0f-9f3a-2d6c8b1e7a90")
 
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     request = PipelineRequest.model_validate(next(d for d in spec["deployments"] if d["name"] == "kubernetes")["parameters"]["request"])
@@ -257,5 +260,11 @@ def test_the_kubernetes_deployment_plans_an_indexed_job_over_two_pods_with_the_f
     assert plan.launcher == "kubernetes" and job["spec"]["completions"] == 2
     assert job["metadata"]["namespace"] == service["metadata"]["namespace"] == "ml"
     assert job["spec"]["template"]["spec"]["containers"][0]["image"] == "ghcr.io/acme/prefect-accelerate:1"
+    # owned by the flow run's pod: Kubernetes deletes the training Job when that pod goes, however it went
+    assert job["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Pod", "name": "launch-training-abc12-x7k2p",
+                                                   "uid": "5a1c2f0e-4b7d-4e0f-9f3a-2d6c8b1e7a90"}]
+    monkeypatch.setenv(kplan.NAMESPACE_ENV, "prefect")  # a pod in another namespace cannot own it
+    elsewhere = _documents(kplan.plan(launch_options(request).with_changes(kubernetes_namespace="ml"), StaticHost(), cwd="/p", run_dir="/runs/r3"))[1]
+    assert "ownerReferences" not in elsewhere["metadata"]
     for document in (service, job):
         kubernetes_validate.validate(document, K8S_VERSION, strict=True)
