@@ -40,6 +40,8 @@ POLL_SECONDS = 2.0
 #: how long stop() waits for the Job and every pod to be gone (the pods' grace period is 30 s by default)
 STOP_WAIT_SECONDS = 90.0
 TAIL_LINES = 200
+#: polls in a row the API may fail to answer (5xx, 429, a dropped connection) before following the job gives up
+API_OUTAGE_POLLS = 30
 #: lines of the failing pod's log a result carries
 FAILURE_LINES = 20
 KUBERNETES_JOBS = "kubernetes-jobs"
@@ -128,6 +130,12 @@ def _api_error(error: Exception, what: str) -> LaunchError:
             404: " Check --kubernetes_namespace: the namespace must exist.",
             409: " An object with that name exists already: delete it, or use another --run_dir (the name is derived from it)."}
     return LaunchError(f"Kubernetes refused to {what} (HTTP {status} {reason}: {body}).{hint.get(status, '')}", exit_code=USAGE_EXIT_CODE)
+
+
+def _transient(error: Exception) -> bool:
+    """An API answer that may go away by itself: overload, a restart, a dropped connection."""
+    status = getattr(error, "status", None)
+    return status in (429, 500, 502, 503, 504) or (status is None and type(error).__module__.split(".")[0] == "urllib3")
 
 
 def _when(text: str | None) -> dt.datetime | None:
@@ -371,10 +379,23 @@ class KubernetesJobRun:
     # --- waiting, stopping, the outcome --------------------------------------------------------------------
 
     def wait(self, timeout: float | None = None) -> KubernetesJob:
-        """Follow the job until it ends, a pod can never start, or `timeout` seconds pass."""
+        """Follow the job until it ends, a pod can never start, or `timeout` seconds pass. The API being briefly away
+        (5xx, 429, a dropped connection) is waited out for up to API_OUTAGE_POLLS rounds; a refusal ends the wait."""
         deadline = time.monotonic() + timeout if timeout is not None else None
+        outage = 0
         while True:
-            job = self.poll()
+            try:
+                job = self.poll()
+                outage = 0
+            except Exception as error:
+                if not _transient(error) or outage >= API_OUTAGE_POLLS:
+                    if getattr(error, "status", None) is not None:
+                        raise _api_error(error, f"read Job {self.name} and its pods") from None
+                    raise
+                outage += 1
+                self.emit("kubernetes", f"the API did not answer ({type(error).__name__} {getattr(error, 'status', '') or ''}); trying again")
+                time.sleep(self.poll_seconds)
+                continue
             if job.finished or job.state == "Unknown" or self.never_starts() is not None:
                 return job
             if deadline is not None and time.monotonic() >= deadline:

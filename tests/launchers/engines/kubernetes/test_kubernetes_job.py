@@ -291,3 +291,30 @@ def test_the_launch_flows_cancellation_hook_deletes_a_running_kubernetes_job(clu
     assert cluster.pod_names(run.name) == []
     assert run.describe().state == "Unknown"  # gone from the API
     assert ("default", run.name) not in cluster.jobs and ("default", run.name) not in cluster.services
+
+
+def test_a_brief_api_outage_is_waited_out_and_a_refusal_is_one_paragraph(cluster, tmp_path):
+    run = kjob.KubernetesJobRun.submit(_plan(tmp_path), output=lambda *a: None, poll_seconds=0.01)
+    answers = iter([503, 503])
+    original = cluster.handle
+
+    def flaky(method, path, query, body):
+        code = next(answers, None) if method == "GET" and "/jobs/" in path else None
+        if code:
+            return code, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "etcd is busy", "code": code}, "json"
+        return original(method, path, query, body)
+
+    cluster.handle = flaky
+    for index in (0, 1):
+        cluster.run_pod(run.name, index)
+        cluster.finish_pod(run.name, index, 0)
+    assert run.wait(timeout=30).state == "Succeeded"
+
+    def forbidden(method, path, query, body):
+        if method == "GET" and "/jobs/" in path:
+            return 403, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "jobs.batch is forbidden", "code": 403}, "json"
+        return original(method, path, query, body)
+
+    cluster.handle = forbidden
+    with pytest.raises(LaunchError, match="HTTP 403.*rbac.yaml"):
+        run.wait(timeout=30)
