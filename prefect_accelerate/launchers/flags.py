@@ -214,8 +214,8 @@ def _flags() -> tuple[LaunchFlag, ...]:
         F("slurm_pending_timeout", ("--slurm_pending_timeout",), slurm, "Cancel the job and fail (exit 2) if it is still pending after this many seconds.", type=float, engine="slurm"),
         # ours: run the launch as one Kubernetes Indexed Job, one pod per machine (launchers/engines/kubernetes)
         F("kubernetes", ("--kubernetes",), k8s, "Submit one Kubernetes Indexed Job (one pod per machine) plus a headless Service for the rendezvous.", kind="store_true", default=False),
-        F("kubernetes_image", ("--kubernetes_image",), k8s, "Container image of every pod; it must hold Python, torch, prefect-accelerate and the training script.", type=str, engine="kubernetes"),
-        F("kubernetes_namespace", ("--kubernetes_namespace",), k8s, "Namespace of the Job and Service (default: the block's, else `default`).", type=str, engine="kubernetes"),
+        F("kubernetes_image", ("--kubernetes_image",), k8s, "Container image of every pod; it must hold Python, torch, prefect-accelerate and the training script (default: the block's, else PREFECT_ACCELERATE_KUBERNETES_IMAGE, which a flow-run pod of deployments/kubernetes has).", type=str, engine="kubernetes"),
+        F("kubernetes_namespace", ("--kubernetes_namespace",), k8s, "Namespace of the Job and Service (default: the block's, else PREFECT_ACCELERATE_KUBERNETES_NAMESPACE, else `default`).", type=str, engine="kubernetes"),
         F("kubernetes_gpus_per_node", ("--kubernetes_gpus_per_node",), k8s, "GPUs per pod (the nvidia.com/gpu limit); 0 or unset trains on CPU with gloo.", type=int, engine="kubernetes"),
         F("kubernetes_cpu_per_node", ("--kubernetes_cpu_per_node",), k8s, "CPU per pod as Kubernetes writes it (8, 7500m).", type=str, engine="kubernetes"),
         F("kubernetes_memory_per_node", ("--kubernetes_memory_per_node",), k8s, "Memory per pod as Kubernetes writes it (64Gi).", type=str, engine="kubernetes"),
