@@ -48,7 +48,8 @@ KUBERNETES_JOBS = "kubernetes-jobs"
 INDEX_KEY = "batch.kubernetes.io/job-completion-index"
 #: container waiting reasons that never clear by themselves: the launch fails at once instead of waiting forever
 NEVER_STARTS = frozenset({"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError"})
-FINAL = ("Succeeded", "Failed", "Stopped")
+#: Stopped: deleted by this handle; Deleted: gone from the API while it ran (a cancellation hook, kubectl delete)
+FINAL = ("Succeeded", "Failed", "Stopped", "Deleted")
 #: torchrun's --tee prefix: "[default3]:"
 _RANK_PREFIX = re.compile(r"^\[(?P<role>[A-Za-z_][\w-]*?)(?P<rank>\d+)\]:")
 
@@ -182,6 +183,8 @@ class KubernetesJobRun:
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.last: KubernetesJob | None = None
         self.stopped = False
+        #: the API has shown this Job (created or read): a 404 afterwards means someone deleted it
+        self.existed = False
         #: set by run_job when its deadline deleted the job
         self.timed_out = False
 
@@ -215,6 +218,7 @@ class KubernetesJobRun:
             if getattr(error, "status", None) is None:
                 raise
             raise _api_error(error, f"create Job {run.name} in namespace {run.namespace}") from None
+        run.existed = True
         owner = {"apiVersion": "batch/v1", "kind": "Job", "name": run.name, "uid": created.metadata.uid,
                  "controller": True, "blockOwnerDeletion": True}
         service = {**service, "metadata": {**service["metadata"], "ownerReferences": [owner]}}
@@ -266,10 +270,11 @@ class KubernetesJobRun:
         except Exception as error:
             if getattr(error, "status", None) != 404:
                 raise
-            state = "Stopped" if self.stopped else "Unknown"
+            state = "Stopped" if self.stopped else ("Deleted" if self.existed else "Unknown")
             self.last = KubernetesJob(name=self.name, namespace=self.namespace, state=state,
                                       pods=self.last.pods if self.last else [])
             return self.last
+        self.existed = True
         pods = self.pods()
         state, reason, message = "Pending", None, None
         for condition in (job.status.conditions or []) if job.status else []:
@@ -288,7 +293,7 @@ class KubernetesJobRun:
 
     @property
     def status(self) -> str:
-        """The engine protocol's status: Pending, Running, Succeeded, Failed, Stopping, Stopped (or Unknown)."""
+        """The engine protocol's status: Pending, Running, Succeeded, Failed, Stopping, Stopped, Deleted (or Unknown)."""
         return self.last.state if self.last else "Unknown"
 
     @property
@@ -510,6 +515,9 @@ def failure_text(job: KubernetesJob) -> str | None:
         where.append(f"node {job.failed_node} (pod {job.failed_pod})")
     if job.failed_rank is not None:
         where.append(f"rank {job.failed_rank}")
+    if job.state == "Deleted":
+        return (f"Kubernetes job {job.namespace}/{job.name} was deleted while it ran (a cancelled flow run's hook, or "
+                "`kubectl delete`); its pods were ended with it.")
     text = f"Kubernetes job {job.namespace}/{job.name} ended {job.state}" + (f" ({job.reason})" if job.reason else "")
     if job.exit_code is not None:
         text += f" with exit code {job.exit_code}"

@@ -289,7 +289,7 @@ def test_the_launch_flows_cancellation_hook_deletes_a_running_kubernetes_job(clu
     kjob.write_record(kjob.KUBERNETES_JOBS, "r-hook", {"job_name": run.name, "namespace": "default", "flow_run_id": "0f1e-cancelled"})
     end_launch_processes(None, SimpleNamespace(id="0f1e-cancelled"), None)  # what Prefect calls on Cancelling/Crashed
     assert cluster.pod_names(run.name) == []
-    assert run.describe().state == "Unknown"  # gone from the API
+    assert run.describe().state == "Deleted"  # gone from the API, deleted by someone else than this handle
     assert ("default", run.name) not in cluster.jobs and ("default", run.name) not in cluster.services
 
 
@@ -318,3 +318,16 @@ def test_a_brief_api_outage_is_waited_out_and_a_refusal_is_one_paragraph(cluster
     cluster.handle = forbidden
     with pytest.raises(LaunchError, match="HTTP 403.*rbac.yaml"):
         run.wait(timeout=30)
+
+
+def test_a_job_deleted_from_outside_ends_the_launch_as_deleted_not_as_a_deadline(cluster, tmp_path):
+    plan = _plan(tmp_path)
+    name = plan.request["job_name"]
+
+    def delete_it():
+        cluster.handle("DELETE", f"/apis/batch/v1/namespaces/default/jobs/{name}", {}, {"propagationPolicy": "Foreground"})
+
+    _background(cluster, name, [(0.0, delete_it)])  # possibly before the handle ever read the Job
+    result = kjob.run_job(plan, on_line=lambda *a: None, poll_seconds=0.05)
+    assert result.job.state == "Deleted" and not result.timed_out and result.exit_code == 1
+    assert "was deleted while it ran" in result.error
