@@ -109,3 +109,24 @@ def test_a_tracked_launch_that_succeeds_returns_the_jobs_result(cluster, prefect
     assert state.is_completed(), state.message
     result = state.result()
     assert result.exit_code == 0 and result.launcher == "kubernetes" and result.job.state == "Succeeded"
+
+
+def test_a_saved_cluster_block_gives_its_defaults_and_flags_still_win(prefect_harness, tmp_path):
+    import yaml
+
+    from prefect_accelerate.errors import ConfigError
+    from prefect_accelerate.launchers.engines.kubernetes.block import KubernetesClusterBlock, load_cluster_block
+
+    KubernetesClusterBlock(image="ghcr.io/acme/base:2", namespace="ml", gpus_per_node=8, tolerations=["nvidia.com/gpu:NoSchedule"],
+                           secret_env={"HF_TOKEN": "hf-token:token"}).save("test-gpu-cluster", overwrite=True)
+    args = build_parser().parse_args(["launch", "--kubernetes", "--kubernetes_block", "test-gpu-cluster", "--kubernetes_namespace", "other",
+                                      "--multi_gpu", "--num_machines", "2", "--num_processes", "16", "train.py"])
+    host = StaticHost(kind="cuda", count=8)
+    plan = kubernetes_plan(options_from_namespace(args, host=host, environ={}), host, cwd="/p", run_dir=str(tmp_path / "run"))
+    job = list(yaml.safe_load_all(plan.describe()))[1]
+    pod = job["spec"]["template"]["spec"]
+    assert job["metadata"]["namespace"] == "other" and pod["containers"][0]["image"] == "ghcr.io/acme/base:2"
+    assert pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    with pytest.raises(ConfigError, match="No KubernetesClusterBlock named 'no-such-cluster'"):
+        load_cluster_block("no-such-cluster")
