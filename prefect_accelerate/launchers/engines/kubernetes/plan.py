@@ -47,6 +47,9 @@ DEFAULT_DNS_TIMEOUT = 600.0
 #: DNS labels (pod hostnames, Job and Service names) are at most 63 characters
 MAX_LABEL = 63
 SHM_VOLUME = "dshm"
+#: variables a local plan builds from this machine's paths (DeepSpeed's PYTHONPATH is the launching one plus the
+#: working directory): in a pod they would name paths of the submitting machine and hide the image's own value
+SUBMITTER_ONLY_ENV = ("PYTHONPATH",)
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -262,6 +265,12 @@ def pod_launch(options, host: HostProbe, settings: KubernetesSettings, name: str
         launch = plan_torchrun(inner, pod, cwd, None, cpu=not gpus)  # several machines always need torchrun
     else:
         launch = engine_for_route(kind).planner()(inner, pod, cwd=cwd, run_dir=None)
+    dropped = [name for name in SUBMITTER_ONLY_ENV if name in launch.env]
+    if dropped:
+        launch = launch.model_copy(update={
+            "env": {k: v for k, v in launch.env.items() if k not in dropped},
+            "notes": (*launch.notes, f"{', '.join(dropped)} is left to the image: the value here names this machine's paths."),
+        })
     if launch.files:
         raise UsageError(f"This launch ({launch.launcher}) writes files before it starts ({', '.join(launch.files)}), which "
                          "cannot reach the pods. Use torchrun-based settings (multi_gpu, FSDP, DeepSpeed `standard`).")

@@ -268,3 +268,17 @@ def test_the_kubernetes_deployment_plans_an_indexed_job_over_two_pods_with_the_f
     assert "ownerReferences" not in elsewhere["metadata"]
     for document in (service, job):
         kubernetes_validate.validate(document, K8S_VERSION, strict=True)
+
+
+def test_deepspeed_standard_runs_in_every_pod_without_this_machines_pythonpath(monkeypatch):
+    pytest.importorskip("deepspeed")
+    monkeypatch.setenv("PYTHONPATH", "/home/me/secret-project/src")
+    plan = _plan(["--use_deepspeed", "--zero_stage", "2", "--mixed_precision", "no", "--dynamo_backend", "no",
+                  "--deepspeed_multinode_launcher", "standard", "--num_machines", "2", "--num_processes", "4", "--kubernetes_gpus_per_node", "2"])
+    service, job = _documents(plan)
+    env = {e["name"]: e.get("value") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["ACCELERATE_USE_DEEPSPEED"] == "true" and env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] == "2"
+    assert "PYTHONPATH" not in env and "/home/me" not in plan.describe()
+    assert any("PYTHONPATH is left to the image" in note for note in plan.notes)
+    for document in (service, job):
+        kubernetes_validate.validate(document, K8S_VERSION, strict=True)
