@@ -226,6 +226,7 @@ def _flags() -> tuple[LaunchFlag, ...]:
         F("kubernetes_secret_env", ("--kubernetes_secret_env",), k8s, "NAME=SECRET:KEY: the variable NAME read from key KEY of the Kubernetes Secret SECRET (repeatable; values never enter a manifest).", kind="append", type=str, engine="kubernetes"),
         F("kubernetes_working_dir", ("--kubernetes_working_dir",), k8s, "Working directory in the container (default: the image's WORKDIR); the script path is taken from there.", type=str, engine="kubernetes"),
         F("kubernetes_dns_timeout", ("--kubernetes_dns_timeout",), k8s, "Seconds each pod waits for pod 0's DNS name before it fails (default 600).", type=float, engine="kubernetes"),
+        F("kubernetes_pending_timeout", ("--kubernetes_pending_timeout",), k8s, "Delete the job and fail (exit 2) if some pods are still not scheduled after this many seconds.", type=float, engine="kubernetes"),
         F("kubernetes_block", ("--kubernetes_block",), k8s, "Name of a saved KubernetesClusterBlock with the cluster's defaults.", type=str, engine="kubernetes"),
         F("aws_credentials_block", ("--aws_credentials_block",), aws, "Name of a saved AWS credentials block for SageMaker.", type=str, engine="sagemaker"),
     ]

@@ -109,6 +109,13 @@ class FakeKubernetes:
             pod = self.pod(job, index, namespace)
             pod["status"]["containerStatuses"] = self._container_status(pod, {"waiting": {"reason": reason, "message": message}}, False)
 
+    def unschedule_pod(self, job: str, index: int, message: str, namespace: str = "default") -> None:
+        """The scheduler found no node for the pod (PodScheduled False, reason Unschedulable)."""
+        with self.lock:
+            pod = self.pod(job, index, namespace)
+            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
+                                            "lastProbeTime": None, "lastTransitionTime": _stamp(_now())}]
+
     def log(self, job: str, index: int, *lines: str, namespace: str = "default") -> None:
         with self.lock:
             name = self.pod(job, index, namespace)["metadata"]["name"]

@@ -36,6 +36,7 @@ class KubernetesClusterBlock(Block):
     secret_env: dict[str, str] = Field(default_factory=dict, description="NAME -> 'SECRET:KEY': variables read from Kubernetes Secrets")
     working_dir: str | None = Field(default=None, description="Working directory in the container")
     dns_timeout: float | None = Field(default=None, description="Seconds each pod waits for pod 0's DNS name")
+    pending_timeout: float | None = Field(default=None, description="Delete the job if pods are still unscheduled after this many seconds")
     context: str | None = Field(default=None, description="kubeconfig context to submit with (default: the current one, or in-cluster)")
 
 

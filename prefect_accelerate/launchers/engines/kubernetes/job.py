@@ -66,6 +66,10 @@ class KubernetesPod(BaseModel):
     reason: str | None = None
     message: str | None = None
     finished_at: str | None = None
+    #: placed on a node (its PodScheduled condition is True, or it ran)
+    scheduled: bool = False
+    #: why the scheduler has not placed it yet (PodScheduled False: Unschedulable and the scheduler's message)
+    unscheduled: str | None = None
 
 
 class KubernetesJob(BaseModel):
@@ -251,6 +255,12 @@ class KubernetesJobRun:
             index = (meta.labels or {}).get(INDEX_KEY) or (meta.annotations or {}).get(INDEX_KEY)
             pod = KubernetesPod(name=meta.name, node=int(index) if str(index or "").isdigit() else None,
                                 phase=(item.status.phase if item.status else None) or "Unknown")
+            for condition in (item.status.conditions or []) if item.status else []:
+                if condition.type == "PodScheduled" and condition.status == "True":
+                    pod.scheduled = True
+                elif condition.type == "PodScheduled" and condition.status == "False":
+                    pod.unscheduled = f"{condition.reason}: {condition.message}" if condition.message else condition.reason
+            pod.scheduled = pod.scheduled or pod.phase in ("Running", "Succeeded", "Failed")
             for status in (item.status.container_statuses or []) if item.status else []:
                 if status.name != CONTAINER or status.state is None:
                     continue
@@ -383,8 +393,8 @@ class KubernetesJobRun:
 
     # --- waiting, stopping, the outcome --------------------------------------------------------------------
 
-    def wait(self, timeout: float | None = None) -> KubernetesJob:
-        """Follow the job until it ends, a pod can never start, or `timeout` seconds pass. The API being briefly away
+    def wait(self, timeout: float | None = None, *, until: Callable[[KubernetesJob], bool] | None = None) -> KubernetesJob:
+        """Follow the job until it ends, a pod can never start, `until(job)` holds, or `timeout` seconds pass. The API being briefly away
         (5xx, 429, a dropped connection) is waited out for up to API_OUTAGE_POLLS rounds; a refusal ends the wait."""
         deadline = time.monotonic() + timeout if timeout is not None else None
         outage = 0
@@ -401,7 +411,7 @@ class KubernetesJobRun:
                 self.emit("kubernetes", f"the API did not answer ({type(error).__name__} {getattr(error, 'status', '') or ''}); trying again")
                 time.sleep(self.poll_seconds)
                 continue
-            if job.finished or job.state == "Unknown" or self.never_starts() is not None:
+            if job.finished or job.state == "Unknown" or self.never_starts() is not None or (until is not None and until(job)):
                 return job
             if deadline is not None and time.monotonic() >= deadline:
                 return job
@@ -528,11 +538,31 @@ def failure_text(job: KubernetesJob) -> str | None:
     return text
 
 
-def _follow(run: KubernetesJobRun, output: LineCallback, timeout: float | None, grace: float, started: float) -> None:
-    """Wait for the job: delete it at the deadline, or at once when a pod can never start."""
+def _all_placed(job: KubernetesJob, nodes: int) -> bool:
+    return len(job.pods) >= nodes and all(p.scheduled for p in job.pods)
+
+
+def _follow(run: KubernetesJobRun, output: LineCallback, timeout: float | None, grace: float, started: float,
+            pending_timeout: float | None = None, nodes: int = 1) -> None:
+    """Wait for the job: delete it at the deadline, at once when a pod can never start, or when some pods are still
+    not scheduled after `pending_timeout` seconds (the others would hold their GPUs waiting for them)."""
     run.timed_out = False
     with run:  # an exception in here (Ctrl-C, SIGTERM, a cancellation) deletes the job
         output("kubernetes", f"Created job {run.namespace}/{run.name} and its headless Service")
+        if pending_timeout:
+            limit = pending_timeout if timeout is None else min(pending_timeout, max(timeout - (time.monotonic() - started), 0.0))
+            job = run.wait(timeout=limit, until=lambda j: _all_placed(j, nodes))
+            waiting = [p for p in job.pods if not p.scheduled]
+            if not job.finished and not _all_placed(job, nodes) and time.monotonic() - started >= pending_timeout:
+                run.stop()
+                raise LaunchError(
+                    f"{max(len(waiting), nodes - len(job.pods))} of the {nodes} pods of Kubernetes job {run.namespace}/{run.name} "
+                    f"were still not scheduled after {pending_timeout:g} s"
+                    + (f" (node {waiting[0].node}: {waiting[0].unscheduled or 'no reason given yet'})" if waiting else "")
+                    + ", so the job was deleted "
+                    "and no pod holds resources. Ask for fewer or smaller pods (--num_machines, --kubernetes_gpus_per_node, "
+                    "--kubernetes_cpu_per_node, --kubernetes_memory_per_node), check --kubernetes_node_selector and "
+                    "--kubernetes_toleration, or allow a longer --kubernetes_pending_timeout.", exit_code=USAGE_EXIT_CODE)
         remaining = None if timeout is None else max(timeout - (time.monotonic() - started), 0.0)
         run.wait(timeout=remaining)
         stuck = run.never_starts()
@@ -557,7 +587,8 @@ def run_job(plan: LaunchPlan, *, on_line: LineCallback | None = None, timeout: f
         A KubernetesLaunchResult: the training's exit code (the failing worker's when torchrun names it, else the
         failing pod's), 124 when the deadline deleted the job, 1 for a job that failed without a pod's code.
     Raises:
-        LaunchError (exit 2): no cluster configured, the API refused the Job or Service, or a pod can never start.
+        LaunchError (exit 2): no cluster configured, the API refused the Job or Service, a pod can never start, or
+        pods were still unscheduled after --kubernetes_pending_timeout.
     """
     from prefect_accelerate.signals import sigterm_as_exception
 
@@ -583,7 +614,7 @@ def run_job(plan: LaunchPlan, *, on_line: LineCallback | None = None, timeout: f
                                                    "task_run_id": task_run_id})
             try:
                 run = KubernetesJobRun.submit(plan, output=output, poll_seconds=poll_seconds or POLL_SECONDS, client=client)
-                _follow(run, output, timeout, grace, started)
+                _follow(run, output, timeout, grace, started, request.get("pending_timeout"), plan.num_machines)
             finally:
                 remove_record(KUBERNETES_JOBS, record)
     finally:

@@ -79,6 +79,8 @@ class KubernetesSettings:
     dns_timeout: float = DEFAULT_DNS_TIMEOUT
     #: the kubeconfig context the client uses (from the block only); None: the current one, or in-cluster
     context: str | None = None
+    #: seconds pods may wait unscheduled before the job is deleted (None: no limit)
+    pending_timeout: float | None = None
     #: (name, uid) of the flow-run pod that owns the Job, when the launch runs in such a pod in the same namespace
     owner_pod: tuple[str, str] | None = None
 
@@ -128,6 +130,8 @@ def settings_from(options) -> KubernetesSettings:
     for text in options.kubernetes_secret_env or ():
         name, secret, key = _secret_ref(text)
         secret_env[name] = (secret, key)
+    pending = _pick(options.kubernetes_pending_timeout, block.get("pending_timeout"))
+    _check(pending is None or float(pending) > 0, "--kubernetes_pending_timeout", pending, "it must be a number of seconds above 0")
     timeout = float(_pick(options.kubernetes_dns_timeout, block.get("dns_timeout"), DEFAULT_DNS_TIMEOUT))
     _check(timeout > 0, "--kubernetes_dns_timeout", timeout, "it must be a number of seconds above 0")
     return KubernetesSettings(
@@ -138,7 +142,7 @@ def settings_from(options) -> KubernetesSettings:
         node_selector=tuple(sorted(selector.items())), tolerations=tuple(tuple(t.items()) for t in tolerations),
         secret_env=tuple((name, secret, key) for name, (secret, key) in secret_env.items()),
         working_dir=_pick(options.kubernetes_working_dir, block.get("working_dir")), dns_timeout=timeout,
-        context=block.get("context"), owner_pod=_owner_pod(namespace),
+        context=block.get("context"), owner_pod=_owner_pod(namespace), pending_timeout=float(pending) if pending is not None else None,
     )
 
 
@@ -413,5 +417,6 @@ def plan(options, host: HostProbe, *, cwd: str, run_dir: str | None) -> LaunchPl
         notes=(*launch.notes, f"Each of the {machines} pods runs the {launch.launcher} launch above with its node rank from "
                f"{INDEX_ENV}; pod 0 is {rendezvous_host(name)}:{port}."),
         request={"job_name": name, "namespace": settings.namespace, "service_name": name, "rendezvous": rendezvous_host(name),
-                 "port": port, "node_launcher": launch.launcher, "context": settings.context, "manifests": [service, job]},
+                 "port": port, "node_launcher": launch.launcher, "context": settings.context,
+                 "pending_timeout": settings.pending_timeout, "manifests": [service, job]},
     )
