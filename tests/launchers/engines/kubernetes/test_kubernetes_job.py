@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from prefect_accelerate.cli.main import build_parser
 from prefect_accelerate.errors import LaunchError
@@ -352,3 +354,27 @@ def test_a_pending_timeout_does_not_touch_a_job_whose_pods_were_all_placed(clust
                                 (1.0, lambda: (cluster.finish_pod(name, 0, 0), cluster.finish_pod(name, 1, 0)))])
     result = kjob.run_job(plan, on_line=lambda *a: None, poll_seconds=0.05, timeout=60)
     assert result.exit_code == 0 and result.job.state == "Succeeded"
+
+
+_ACTIONS = st.lists(st.tuples(st.sampled_from(["run", "log", "finish0", "fail", "poll"]), st.integers(min_value=0, max_value=3)), max_size=8)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(nodes=st.integers(min_value=1, max_value=4), actions=_ACTIONS)
+def test_whatever_the_pods_did_stop_leaves_no_pod_no_job_and_no_service(nodes, actions, cluster, tmp_path_factory):
+    run = kjob.KubernetesJobRun.submit(_plan(tmp_path_factory.mktemp("stop"), nodes=nodes, per_node=1), output=lambda *a: None, poll_seconds=0.01)
+    for action, index in actions:
+        index %= nodes
+        pod = cluster.pod(run.name, index)
+        if action == "run" and pod["status"]["phase"] == "Pending":
+            cluster.run_pod(run.name, index)
+        elif action == "log" and pod["status"]["phase"] == "Running":
+            cluster.log(run.name, index, "[default0]:step")
+        elif action in ("finish0", "fail") and pod["status"]["phase"] == "Running":
+            cluster.finish_pod(run.name, index, 0 if action == "finish0" else 1)
+        elif action == "poll":
+            run.poll()
+    run.stop(wait_seconds=30)
+    assert cluster.pod_names(run.name) == []
+    assert ("default", run.name) not in cluster.jobs and ("default", run.name) not in cluster.services
+    assert run.status == "Stopped"
