@@ -22,6 +22,8 @@ from prefect_accelerate.launchers.plan import LaunchPlan
 
 def choose_launcher(options, host: HostProbe | None = None) -> str:
     """Which launcher Accelerate's decision tree picks for these options (plus our CPU multi-process rule)."""
+    if getattr(options, "kubernetes", False):
+        return "kubernetes"  # ours: the whole launch becomes one Kubernetes Indexed Job (the engine plans each pod's launch)
     if getattr(options, "slurm", False):
         return "slurm"  # ours: the whole launch becomes one Slurm job (the engine plans each node's launch)
     if options.use_deepspeed and not options.cpu:
@@ -56,13 +58,14 @@ def plan_launch(options, host: HostProbe | None = None, *, cwd: str | None = Non
 def check_training_script(options, cwd: str | None = None) -> None:
     """Refuse a training script that is not there, before anything starts (also for --dry-run).
 
-    Not for `--module` (a module name) or a TPU pod (the script lives on the pod's machines).
+    Not for `--module` (a module name), a TPU pod (the script lives on the pod's machines) or a Kubernetes launch
+    (the script lives in the image).
     """
     import shutil
 
     script = str(options.training_script)
-    if options.module or getattr(options, "tpu_use_cluster", False):
-        return
+    if options.module or getattr(options, "tpu_use_cluster", False) or getattr(options, "kubernetes", False):
+        return  # a Kubernetes launch runs the script that is in the container image, not the one here
     path = os.path.join(cwd or os.getcwd(), os.path.expanduser(script))
     if options.no_python:
         if os.path.isfile(path) or (os.sep not in script and shutil.which(script)):

@@ -72,7 +72,7 @@ def _flags() -> tuple[LaunchFlag, ...]:
         "options", "Hardware selection", "Resources", "Training paradigm", "Distributed processes",
         "TPU", "DeepSpeed", "FSDP", "Megatron-LM", "FP8", "AWS (SageMaker)", "MPI", "Parallelism config",
     )
-    slurm = "Slurm"
+    slurm, k8s = "Slurm", "Kubernetes"
     flags = [
         F("config_file", ("--config_file",), top, "Config file to read defaults from (default: the default config, unless --cpu)."),
         F("quiet", ("-q", "--quiet"), top, "Print only the training output, not the launcher's stack traces.", kind="store_true"),
@@ -212,6 +212,22 @@ def _flags() -> tuple[LaunchFlag, ...]:
         F("slurm_sbatch_args", ("--slurm_sbatch_args",), slurm, "More sbatch options as one string; write it with = since it starts with --: --slurm_sbatch_args=\"--exclusive --mem=0\".", type=str, engine="slurm"),
         F("slurm_block", ("--slurm_block",), slurm, "Name of a saved SlurmClusterBlock with the cluster's defaults.", type=str, engine="slurm"),
         F("slurm_pending_timeout", ("--slurm_pending_timeout",), slurm, "Cancel the job and fail (exit 2) if it is still pending after this many seconds.", type=float, engine="slurm"),
+        # ours: run the launch as one Kubernetes Indexed Job, one pod per machine (launchers/engines/kubernetes)
+        F("kubernetes", ("--kubernetes",), k8s, "Submit one Kubernetes Indexed Job (one pod per machine) plus a headless Service for the rendezvous.", kind="store_true", default=False),
+        F("kubernetes_image", ("--kubernetes_image",), k8s, "Container image of every pod; it must hold Python, torch, prefect-accelerate and the training script (default: the block's, else PREFECT_ACCELERATE_KUBERNETES_IMAGE, which a flow-run pod of deployments/kubernetes has).", type=str, engine="kubernetes"),
+        F("kubernetes_namespace", ("--kubernetes_namespace",), k8s, "Namespace of the Job and Service (default: the block's, else PREFECT_ACCELERATE_KUBERNETES_NAMESPACE, else `default`).", type=str, engine="kubernetes"),
+        F("kubernetes_gpus_per_node", ("--kubernetes_gpus_per_node",), k8s, "GPUs per pod (the nvidia.com/gpu limit); 0 or unset trains on CPU with gloo.", type=int, engine="kubernetes"),
+        F("kubernetes_cpu_per_node", ("--kubernetes_cpu_per_node",), k8s, "CPU per pod as Kubernetes writes it (8, 7500m).", type=str, engine="kubernetes"),
+        F("kubernetes_memory_per_node", ("--kubernetes_memory_per_node",), k8s, "Memory per pod as Kubernetes writes it (64Gi).", type=str, engine="kubernetes"),
+        F("kubernetes_service_account", ("--kubernetes_service_account",), k8s, "Service account the pods run as.", type=str, engine="kubernetes"),
+        F("kubernetes_image_pull_secret", ("--kubernetes_image_pull_secret",), k8s, "Name of a Secret to pull the image with.", type=str, engine="kubernetes"),
+        F("kubernetes_node_selector", ("--kubernetes_node_selector",), k8s, "KEY=VALUE a node must carry (repeatable).", kind="append", type=str, engine="kubernetes"),
+        F("kubernetes_toleration", ("--kubernetes_toleration",), k8s, "A taint the pods tolerate, as kubectl writes taints: KEY=VALUE:EFFECT, KEY:EFFECT or KEY (repeatable).", kind="append", type=str, engine="kubernetes"),
+        F("kubernetes_secret_env", ("--kubernetes_secret_env",), k8s, "NAME=SECRET:KEY: the variable NAME read from key KEY of the Kubernetes Secret SECRET (repeatable; values never enter a manifest).", kind="append", type=str, engine="kubernetes"),
+        F("kubernetes_working_dir", ("--kubernetes_working_dir",), k8s, "Working directory in the container (default: the image's WORKDIR); the script path is taken from there.", type=str, engine="kubernetes"),
+        F("kubernetes_dns_timeout", ("--kubernetes_dns_timeout",), k8s, "Seconds each pod waits for pod 0's DNS name before it fails (default 600).", type=float, engine="kubernetes"),
+        F("kubernetes_pending_timeout", ("--kubernetes_pending_timeout",), k8s, "Delete the job and fail (exit 2) if some pods are still not scheduled after this many seconds.", type=float, engine="kubernetes"),
+        F("kubernetes_block", ("--kubernetes_block",), k8s, "Name of a saved KubernetesClusterBlock with the cluster's defaults.", type=str, engine="kubernetes"),
         F("aws_credentials_block", ("--aws_credentials_block",), aws, "Name of a saved AWS credentials block for SageMaker.", type=str, engine="sagemaker"),
     ]
     return tuple(flags)

@@ -92,7 +92,10 @@ class LaunchPlan(BaseModel):
         return shlex.join(self.shown_argv())
 
     def describe(self) -> str:
-        """Human-readable dry-run text."""
+        """Human-readable dry-run text; a plan whose request is a list of Kubernetes manifests prints as YAML documents
+        (notes and warnings as comments), which `kubectl apply -f -` takes as they are."""
+        if self.request is not None and "manifests" in self.request:
+            return self._manifests_yaml()
         lines = [f"Launcher: {self.launcher}", f"Working directory: {self.cwd}", "Command:", f"  {self.command_line()}"]
         if self.env:
             lines.append("Environment added for the launch:")
@@ -106,6 +109,16 @@ class LaunchPlan(BaseModel):
         lines += [f"Note: {n}" for n in self.notes]
         lines += [f"Warning: {w}" for w in self.warnings]
         return "\n".join(lines)
+
+    def _manifests_yaml(self) -> str:
+        import yaml
+
+        comments = [f"# prefect-accelerate: {self.launcher} launch; every pod runs:", f"#   {self.command_line()}"]
+        comments += [f"# Note: {n}" for n in self.notes] + [f"# Warning: {w}" for w in self.warnings]
+        comments = [line.replace("\n", "\n# ") for line in comments]
+        shown = self.shown_request() or {}
+        return "\n".join(comments) + "\n" + yaml.safe_dump_all(shown["manifests"], sort_keys=False, explicit_start=True,
+                                                                width=1000).rstrip("\n")
 
 
 def _redact_strings(data: Any, redact: Redactor) -> Any:

@@ -6,9 +6,9 @@ An engine does two things with the same vocabulary (options -> plan -> run -> re
   HostProbe, starts nothing, and returns a frozen plan that `--dry-run` prints and golden files pin.
 - carrying a plan out. A local engine's plan is a command on this machine, and every local plan runs
   through the same supervisor (launchers/process.py `run_plan`), so such an engine has nothing more to
-  write. A remote engine (SageMaker, Slurm) names its own `run(plan, **how) -> LaunchResult` (submit,
+  write. A remote engine (SageMaker, Slurm, Kubernetes) names its own `run(plan, **how) -> LaunchResult` (submit,
   follow the job to its end, report), `submit(plan) -> JobHandle`, a handle on the job with status, logs,
-  stop and result (`SageMakerJobRun`, `SlurmJobRun`), and `stop_recorded(flow_run_id)`, which stops the
+  stop and result (`SageMakerJobRun`, `SlurmJobRun`, `KubernetesJobRun`), and `stop_recorded(flow_run_id)`, which stops the
   jobs a cancelled or crashed flow run left behind.
 
 ENGINES is the table. `choose_launcher` (launchers/__init__.py) answers with a route, a row's name or
@@ -123,6 +123,10 @@ ENGINES: dict[str, Engine] = {
                run="prefect_accelerate.launchers.engines.slurm.job:run_job",
                submit="prefect_accelerate.launchers.engines.slurm.job:SlurmJobRun.submit",
                stop_recorded="prefect_accelerate.launchers.engines.slurm.job:cancel_recorded_jobs", job_noun="Slurm job"),
+        Engine("kubernetes", "prefect_accelerate.launchers.engines.kubernetes.plan:plan",
+               run="prefect_accelerate.launchers.engines.kubernetes.job:run_job",
+               submit="prefect_accelerate.launchers.engines.kubernetes.job:KubernetesJobRun.submit",
+               stop_recorded="prefect_accelerate.launchers.engines.kubernetes.job:delete_recorded_jobs", job_noun="Kubernetes job"),
         Engine("deepspeed", "prefect_accelerate.launchers.engines.deepspeed.plan:plan"),
         Engine("torchrun", "prefect_accelerate.launchers.engines.torchrun:plan", routes=("torchrun-cpu",)),
         Engine("tpu", "prefect_accelerate.launchers.engines.tpu.plan:plan"),

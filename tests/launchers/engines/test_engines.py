@@ -50,7 +50,7 @@ def test_every_engine_row_names_functions_that_meet_the_protocol(name):
         assert engine.runner() is run_plan and engine.submitter() is None and engine.stopper() is None
 
 
-@pytest.mark.parametrize("handle", ["sagemaker.job:SageMakerJobRun", "slurm.job:SlurmJobRun"])
+@pytest.mark.parametrize("handle", ["sagemaker.job:SageMakerJobRun", "slurm.job:SlurmJobRun", "kubernetes.job:KubernetesJobRun"])
 def test_each_remote_job_handle_has_every_member_of_the_job_handle_protocol(handle):
     module, _, name = handle.partition(":")
     cls = getattr(importlib.import_module(f"prefect_accelerate.launchers.engines.{module}"), name)
