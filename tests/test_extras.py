@@ -60,8 +60,7 @@ mixed_precision: 'no'
 GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 1, "n_embd": 32, "n_head": 2,
         "vocab_size": 100, "n_positions": 64}
 
-#: extra -> (the modules it brings that our code imports, the command that needs them). The kubernetes extra
-#: comes with its engine (issue 26); its row goes here then.
+#: extra -> (the modules it brings that our code imports, the command that needs them)
 CASES = {
     "timm": (["timm", "torchvision"], ["estimate-memory", "resnet50", "--library_name", "timm"]),
     "transformers (a Hub id, offline)": (["huggingface_hub", "transformers"], ["estimate-memory", "some-org/model"]),
@@ -70,6 +69,8 @@ CASES = {
     "deepspeed": (["deepspeed"], ["launch", "--use_deepspeed", "--num_processes", "2", "--dry-run", "{tmp}/train.py"]),
     "sagemaker": (["sagemaker"], ["launch", "--config_file", "{tmp}/sagemaker.yaml", "--dry-run", "{tmp}/train.py"]),
     "tpu": (["torch_xla"], ["launch", "--tpu", "--dry-run", "{tmp}/train.py"]),
+    "kubernetes": (["kubernetes"], ["launch", "--no-track", "--kubernetes", "--kubernetes_image", "example/train:1",
+                                    "--num_machines", "2", "--num_processes", "2", "{tmp}/train.py"]),
 }
 
 

@@ -88,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print_plan(plan, args.json)
         return 0
+    from prefect_accelerate.launchers.engines import require_client
+
+    require_client(plan)
     # a run folder that cannot be made is one line of error, not a screen of defaults warnings and then the error
     made = _make_run_dir_first(plan.run_dir)
     try:

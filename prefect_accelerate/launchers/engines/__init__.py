@@ -85,6 +85,9 @@ class Engine:
     stop_recorded: str | None = None
     #: what one of its jobs is called in messages ("SageMaker job")
     job_noun: str = "job"
+    #: remote engines whose plan is pure but whose submission needs a client library: (module, extra, purpose),
+    #: checked before anything is printed or started (`require_client`)
+    client: tuple[str, str, str] | None = None
 
     @property
     def remote(self) -> bool:
@@ -126,7 +129,8 @@ ENGINES: dict[str, Engine] = {
         Engine("kubernetes", "prefect_accelerate.launchers.engines.kubernetes.plan:plan",
                run="prefect_accelerate.launchers.engines.kubernetes.job:run_job",
                submit="prefect_accelerate.launchers.engines.kubernetes.job:KubernetesJobRun.submit",
-               stop_recorded="prefect_accelerate.launchers.engines.kubernetes.job:delete_recorded_jobs", job_noun="Kubernetes job"),
+               stop_recorded="prefect_accelerate.launchers.engines.kubernetes.job:delete_recorded_jobs", job_noun="Kubernetes job",
+               client=("kubernetes", "kubernetes", "Submitting a training job to Kubernetes")),
         Engine("deepspeed", "prefect_accelerate.launchers.engines.deepspeed.plan:plan"),
         Engine("torchrun", "prefect_accelerate.launchers.engines.torchrun:plan", routes=("torchrun-cpu",)),
         Engine("tpu", "prefect_accelerate.launchers.engines.tpu.plan:plan"),
@@ -150,4 +154,15 @@ def runner_for(plan: LaunchPlan) -> RunFunction:
     return engine.runner() if engine is not None else _load(_LOCAL_RUN)
 
 
-__all__ = ["ENGINES", "Engine", "JobHandle", "PlanFunction", "RunFunction", "engine_for_route", "runner_for"]
+def require_client(plan: LaunchPlan) -> None:
+    """A DependencyError naming the extra when the plan's engine cannot submit it here (its client is missing)."""
+    import importlib.util
+
+    from prefect_accelerate.errors import DependencyError
+
+    engine = ENGINES.get(plan.launcher)
+    if engine is not None and engine.client is not None and importlib.util.find_spec(engine.client[0]) is None:
+        raise DependencyError.missing(*engine.client)
+
+
+__all__ = ["ENGINES", "Engine", "JobHandle", "PlanFunction", "RunFunction", "engine_for_route", "require_client", "runner_for"]

@@ -105,7 +105,9 @@ def api_client(context: str | None = None):  # noqa: ANN201 - kubernetes.client.
     try:
         from kubernetes import client, config
     except ImportError:
-        raise DependencyError("Submitting to Kubernetes needs the `kubernetes` client: pip install 'prefect-accelerate[kubernetes]'.") from None
+        from prefect_accelerate.launchers.engines import ENGINES
+
+        raise DependencyError.missing(*ENGINES["kubernetes"].client) from None
     if os.environ.get("KUBERNETES_SERVICE_HOST") and context is None:
         configuration = client.Configuration()
         config.load_incluster_config(client_configuration=configuration)
