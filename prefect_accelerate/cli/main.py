@@ -7,6 +7,7 @@ its parser. Nothing here imports torch or prefect, so `--help` stays fast (bench
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -56,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: what a shell reports for a process that SIGPIPE ended (128 + 13)
+BROKEN_PIPE_EXIT_CODE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -83,6 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Terminated as signal_exit:
         print(f"Stopped by signal {signal_exit.signum}; every process the command started was stopped.", file=sys.stderr)
         return 128 + signal_exit.signum
+    except BrokenPipeError:
+        # the reader of our output went away (`... --dry-run | head`): stop quietly, as a process killed by SIGPIPE
+        # would, and point stdout at /dev/null so the interpreter's last flush does not print a second complaint
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT_CODE
     return int(code or 0)
 
 

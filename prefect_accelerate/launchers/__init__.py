@@ -87,6 +87,17 @@ def _plan_launch(options, host: HostProbe | None = None, *, cwd: str | None = No
     where = cwd or os.getcwd()
     run_dir = options.run_dir or str(new_run_dir())
     engine = engine_for_route(choose_launcher(options, machine))
+    if engine.name != "sagemaker" and options.num_processes is None:
+        # only a SageMaker config leaves the count unset (it sizes instances, not processes); a flag such as
+        # --multi_gpu then sends the launch to this machine, which must know how many processes to start
+        from prefect_accelerate.errors import ConfigError
+
+        raise ConfigError(
+            f"The config file {options.config_path} describes a SageMaker job (compute_environment: "
+            f"AMAZON_SAGEMAKER), but the flags given send the launch to the {engine.name} launcher, and neither says "
+            f"how many processes to start. Pass --num_processes N for a launch here, or drop the local-launch flags "
+            f"to submit the SageMaker job."
+        )
     return engine.planner()(options, machine, cwd=where, run_dir=run_dir)
 
 

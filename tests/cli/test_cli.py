@@ -141,3 +141,38 @@ def test_selftest_single_process_without_config(tmp_path):
     done = run("test", "--no-track", env={"HF_HOME": str(tmp_path / "none")})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Accelerator(): NO, 1 process(es)" in done.stdout
+
+
+SAGEMAKER_CONFIG = """\
+compute_environment: AMAZON_SAGEMAKER
+distributed_type: 'NO'
+ec2_instance_type: ml.p3.2xlarge
+iam_role_name: role
+profile: default
+region: us-east-1
+num_machines: 1
+mixed_precision: 'no'
+"""
+
+
+@pytest.mark.parametrize("local_flag", ["--multi_gpu", "--use_fsdp", "--tpu"])
+def test_a_sagemaker_config_sent_to_a_local_launcher_without_a_process_count_is_one_paragraph(tmp_path, local_flag):
+    """A SageMaker config sizes instances, not processes; a flag that launches here needs --num_processes
+    (found by the hardening property test: a TypeError in the torchrun plan)."""
+    (tmp_path / "sm.yaml").write_text(SAGEMAKER_CONFIG)
+    (tmp_path / "train.py").write_text("print('never runs')\n")
+    done = run("launch", "--config_file", "sm.yaml", "--dry-run", local_flag, "train.py", cwd=str(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.startswith("error: ")
+    assert "sm.yaml" in done.stderr and "--num_processes" in done.stderr
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """`launch --dry-run | head -0`: the reader closes the pipe; no BrokenPipeError traceback, the SIGPIPE status."""
+    (tmp_path / "train.py").write_text("print('never runs')\n")
+    child = subprocess.Popen([*CLI, "launch", "--cpu", "--num_processes", "2", "--dry-run", "train.py"], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()  # the reader is gone before the plan is printed (so the write always meets a closed pipe)
+    _, stderr = child.communicate(timeout=120)
+    assert child.returncode == 141, stderr.decode()
+    assert b"Traceback" not in stderr and b"BrokenPipe" not in stderr
