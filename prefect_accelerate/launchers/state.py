@@ -28,7 +28,9 @@ PRIVATE_FILE_MODE = 0o600
 def make_private_dir(path: Path, what: str = "folder") -> Path:
     """Create `path` (and missing parents) readable by the owner only; a one-paragraph UsageError if it cannot be.
 
-    Existing folders keep their parents' modes; the folder itself is made owner-only.
+    Existing folders outside the state folder keep their modes; the folder itself is made owner-only, and
+    so is every folder between the state folder and it (the state folder, runs/, launches/ included): run
+    names (script names, times) are nobody else's to list.
     """
     from prefect_accelerate.errors import UsageError
 
@@ -44,7 +46,21 @@ def make_private_dir(path: Path, what: str = "folder") -> Path:
             f"Could not create the {what} {path}: {why}{hint}. Choose a folder you can write to (--run_dir for a "
             f"launch's folder, {STATE_ENV} for the state folder), then run the command again."
         ) from None
+    _private_state_parents(path)
     return path
+
+
+def _private_state_parents(path: Path) -> None:
+    root = state_dir()
+    try:
+        relative = path.absolute().relative_to(root.absolute())
+    except ValueError:
+        return
+    for depth in range(len(relative.parts)):
+        folder = root.joinpath(*relative.parts[:depth])
+        with contextlib.suppress(OSError):
+            if not folder.is_symlink() and folder.is_dir() and folder.stat().st_uid == os.getuid():
+                os.chmod(folder, PRIVATE_DIR_MODE)
 
 
 def _default_dir() -> Path:
@@ -70,7 +86,7 @@ def cache_dir() -> Path:
 
 
 def new_run_dir(prefix: str = "launch") -> Path:
-    """A fresh, unique folder name under <state>/runs (not created)."""
+    """A fresh, unique folder name under <state>/runs (not created; `make_private_state_dir` makes its parents)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return state_dir() / "runs" / f"{stamp}-{prefix}-{secrets.token_hex(3)}"
 
@@ -154,6 +170,60 @@ def _alive_matching(processes: Iterable[dict[str, Any]]):
         except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
             continue
     return alive
+
+
+def alive_recorded(record: Path):
+    """The live processes a state file lists (start times matching), or [] when it is gone or unreadable."""
+    try:
+        data = json.loads(Path(record).read_text())
+    except (OSError, ValueError):
+        return []
+    return _alive_matching(data.get("processes", []))
+
+
+def _supervisor_gone(data: dict[str, Any]) -> bool:
+    import psutil
+
+    supervisor = data.get("supervisor")
+    if not isinstance(supervisor, dict):
+        return False  # written before supervisors were recorded: the cancellation hook's business
+    try:
+        proc = psutil.Process(int(supervisor["pid"]))
+        return abs(proc.create_time() - float(supervisor["create_time"])) >= 0.05 or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except (psutil.Error, KeyError, ValueError, TypeError):
+        return False
+
+
+def clear_stale_launches(grace: float = 3.0) -> list[str]:
+    """End what is left of this host's launches whose supervisor died (kill -9), redact their leftover logs with
+    this environment's secret values, and remove their records. Returns the launch ids cleared."""
+    from prefect_accelerate.launchers.reaper import tagged_processes
+
+    import psutil
+
+    cleared = []
+    for data in recorded_launches():
+        if not _supervisor_gone(data):
+            continue
+        launch_id = Path(data["_path"]).stem
+        procs = {p.pid: p for p in [*_alive_matching(data.get("processes", [])), *tagged_processes(launch_id)]}
+        for proc in procs.values():
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        _, still = psutil.wait_procs(list(procs.values()), timeout=grace)
+        for proc in still:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        from prefect_accelerate.launchers.watchdog import seal_leftovers
+
+        log_dir = data.get("log_dir")
+        seal_leftovers(Path(data["run_dir"]), Path(log_dir) if log_dir else None)
+        with contextlib.suppress(FileNotFoundError):
+            Path(data["_path"]).unlink()
+        cleared.append(launch_id)
+    return cleared
 
 
 def end_recorded_launches(flow_run_id: str | None = None, grace: float = 10.0) -> list[int]:
