@@ -33,12 +33,13 @@ from prefect_accelerate.signals import sigterm_as_exception
 from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.secrets import SECRET_NAMES_ENV, Redactor
 from prefect_accelerate.launchers.reaper import LAUNCH_ID_ENV, become_subreaper, parent_death_hook
+from prefect_accelerate.launchers.sealing import seal_folder
 from prefect_accelerate.launchers.watchdog import Watchdog
 from prefect_accelerate.launchers.result import (
     RANK_PREFIX, TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, rank_exception, read_error_file,
 )
 from prefect_accelerate.launchers.state import (
-    PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_private_dir, new_run_dir, remove_state, write_state,
+    PRIVATE_FILE_MODE, make_private_dir, new_run_dir, remove_state, write_state,
 )
 
 #: seconds between SIGTERM and SIGKILL; below Prefect's 30 s so we finish before it kills us
@@ -337,7 +338,7 @@ def _supervisor_record() -> dict[str, float | int]:
 def _clear_stale_launches() -> None:
     """Records of launches whose supervisor was killed (kill -9) before its watchdog could act: end what is left,
     redact their leftover logs, drop the records."""
-    from prefect_accelerate.launchers.state import clear_stale_launches
+    from prefect_accelerate.launchers.watchdog import clear_stale_launches
 
     with contextlib.suppress(Exception):  # never a reason not to start this launch
         clear_stale_launches()
@@ -384,41 +385,3 @@ def _own_exception_rank(failures, root_rank: int | None) -> int | None:
         if failure.exit_code != -15:
             return failure.rank
     return root_rank
-
-
-def seal_folder(folder: Path, redact: Redactor) -> None:
-    """Replace known secret values in every file under `folder`, and make it and them owner-only.
-
-    Written files are torchrun's per-rank logs (the workers' raw output) and our own; each is rewritten
-    line by line through `redact` only when a secret is in it.
-    """
-    if not folder.is_dir():
-        return
-    for root, dirs, files in os.walk(folder):
-        with contextlib.suppress(OSError):
-            os.chmod(root, PRIVATE_DIR_MODE)
-        for name in files:
-            path = Path(root, name)
-            with contextlib.suppress(OSError):
-                if path.is_symlink() or not path.is_file():
-                    continue
-                os.chmod(path, PRIVATE_FILE_MODE)
-                _redact_file(path, redact)
-
-
-def _redact_file(path: Path, redact: Redactor) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.redact")
-    changed = False
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as source, \
-                open(fd, "w", encoding="utf-8", errors="surrogateescape", newline="") as target:
-            for line in source:  # streamed: per-rank logs can be large
-                cleaned = redact(line)
-                changed = changed or cleaned != line
-                target.write(cleaned)
-        if changed:
-            os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)

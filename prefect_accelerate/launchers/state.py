@@ -158,7 +158,7 @@ def recorded_launches(flow_run_id: str | None = None) -> list[dict[str, Any]]:
     return read_records(LAUNCHES, flow_run_id)
 
 
-def _alive_matching(processes: Iterable[dict[str, Any]]):
+def alive_matching(processes: Iterable[dict[str, Any]]):
     import psutil
 
     alive = []
@@ -178,52 +178,7 @@ def alive_recorded(record: Path):
         data = json.loads(Path(record).read_text())
     except (OSError, ValueError):
         return []
-    return _alive_matching(data.get("processes", []))
-
-
-def _supervisor_gone(data: dict[str, Any]) -> bool:
-    import psutil
-
-    supervisor = data.get("supervisor")
-    if not isinstance(supervisor, dict):
-        return False  # written before supervisors were recorded: the cancellation hook's business
-    try:
-        proc = psutil.Process(int(supervisor["pid"]))
-        return abs(proc.create_time() - float(supervisor["create_time"])) >= 0.05 or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except (psutil.Error, KeyError, ValueError, TypeError):
-        return False
-
-
-def clear_stale_launches(grace: float = 3.0) -> list[str]:
-    """End what is left of this host's launches whose supervisor died (kill -9), redact their leftover logs with
-    this environment's secret values, and remove their records. Returns the launch ids cleared."""
-    from prefect_accelerate.launchers.reaper import tagged_processes
-
-    import psutil
-
-    cleared = []
-    for data in recorded_launches():
-        if not _supervisor_gone(data):
-            continue
-        launch_id = Path(data["_path"]).stem
-        procs = {p.pid: p for p in [*_alive_matching(data.get("processes", [])), *tagged_processes(launch_id)]}
-        for proc in procs.values():
-            with contextlib.suppress(psutil.Error):
-                proc.terminate()
-        _, still = psutil.wait_procs(list(procs.values()), timeout=grace)
-        for proc in still:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        from prefect_accelerate.launchers.watchdog import seal_leftovers
-
-        log_dir = data.get("log_dir")
-        seal_leftovers(Path(data["run_dir"]), Path(log_dir) if log_dir else None)
-        with contextlib.suppress(FileNotFoundError):
-            Path(data["_path"]).unlink()
-        cleared.append(launch_id)
-    return cleared
+    return alive_matching(data.get("processes", []))
 
 
 def end_recorded_launches(flow_run_id: str | None = None, grace: float = 10.0) -> list[int]:
@@ -236,7 +191,7 @@ def end_recorded_launches(flow_run_id: str | None = None, grace: float = 10.0) -
 
     signalled: list[int] = []
     for data in recorded_launches(flow_run_id):
-        processes = _alive_matching(data.get("processes", []))
+        processes = alive_matching(data.get("processes", []))
         for proc in processes:
             try:
                 proc.send_signal(signal.SIGTERM)

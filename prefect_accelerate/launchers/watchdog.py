@@ -21,6 +21,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from prefect_accelerate.launchers.sealing import seal_leftovers
 
 #: seconds between the watchdog's SIGTERM and SIGKILL: short, so nothing outlives a killed supervisor by 10 s
 WATCHDOG_GRACE = 3.0
@@ -115,15 +118,48 @@ def end_launch(launch_id: str, run_dir: Path, log_dir: Path | None) -> int:
     return len(stopped)
 
 
-def seal_leftovers(run_dir: Path, log_dir: Path | None) -> None:
-    """Redact the secret values of this environment from a launch's files and make them owner-only."""
-    from prefect_accelerate.launchers.process import seal_folder
-    from prefect_accelerate.secrets import Redactor, known_secret_values
+def _supervisor_gone(data: dict[str, Any]) -> bool:
+    import psutil
 
-    redact = Redactor(known_secret_values())
-    for folder in (run_dir, log_dir):
-        if folder is not None:
-            seal_folder(folder, redact)
+    supervisor = data.get("supervisor")
+    if not isinstance(supervisor, dict):
+        return False  # written before supervisors were recorded: the cancellation hook's business
+    try:
+        proc = psutil.Process(int(supervisor["pid"]))
+        return abs(proc.create_time() - float(supervisor["create_time"])) >= 0.05 or proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except (psutil.Error, KeyError, ValueError, TypeError):
+        return False
+
+
+def clear_stale_launches(grace: float = 3.0) -> list[str]:
+    """End what is left of this host's launches whose supervisor died (kill -9), redact their leftover logs with
+    this environment's secret values, and remove their records. Returns the launch ids cleared."""
+    import psutil
+
+    from prefect_accelerate.launchers.reaper import tagged_processes
+    from prefect_accelerate.launchers.state import alive_matching, recorded_launches
+
+    cleared = []
+    for data in recorded_launches():
+        if not _supervisor_gone(data):
+            continue
+        launch_id = Path(data["_path"]).stem
+        procs = {p.pid: p for p in [*alive_matching(data.get("processes", [])), *tagged_processes(launch_id)]}
+        for proc in procs.values():
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+        _, still = psutil.wait_procs(list(procs.values()), timeout=grace)
+        for proc in still:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        log_dir = data.get("log_dir")
+        seal_leftovers(Path(data["run_dir"]), Path(log_dir) if log_dir else None)
+        with contextlib.suppress(FileNotFoundError):
+            Path(data["_path"]).unlink()
+        cleared.append(launch_id)
+    return cleared
 
 
 def main(argv: list[str]) -> int:
@@ -137,8 +173,8 @@ def main(argv: list[str]) -> int:
     except psutil.Error:
         supervisor = None
     # imported now, so that ending a launch does not wait for imports on a loaded machine
-    import prefect_accelerate.launchers.process  # noqa: F401
     import prefect_accelerate.launchers.reaper  # noqa: F401
+    import prefect_accelerate.launchers.sealing  # noqa: F401
 
     if supervisor is not None and wait_for_supervisor(supervisor):
         return 0
