@@ -9,6 +9,7 @@ start time so a recycled pid is never touched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -28,15 +29,15 @@ PRIVATE_FILE_MODE = 0o600
 def make_private_dir(path: Path, what: str = "folder") -> Path:
     """Create `path` (and missing parents) readable by the owner only; a one-paragraph UsageError if it cannot be.
 
-    Existing folders outside the state folder keep their modes; the folder itself is made owner-only, and
-    so is every folder between the state folder and it (the state folder, runs/, launches/ included): run
+    Folders it creates are owner-only from the start; existing folders outside the state folder keep their
+    modes; the folder itself is made owner-only, and so is every folder between the state folder and it (the state folder, runs/, launches/ included): run
     names (script names, times) are nobody else's to list.
     """
     from prefect_accelerate.errors import UsageError
 
     path = Path(path)
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+        _mkdirs_private(path)
         os.chmod(path, PRIVATE_DIR_MODE)
     except OSError as error:
         blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
@@ -48,6 +49,21 @@ def make_private_dir(path: Path, what: str = "folder") -> Path:
         ) from None
     _private_state_parents(path)
     return path
+
+
+def _mkdirs_private(path: Path) -> None:
+    """Create `path` and its missing parents owner-only from the start (mkdir's `parents` would make them 0755
+    first, and for a moment others could list run names)."""
+    missing = []
+    folder = path.absolute()
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, PRIVATE_DIR_MODE)
+    if not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
 
 
 def _private_state_parents(path: Path) -> None:

@@ -249,3 +249,28 @@ def test_adopted_orphans_of_other_callers_are_left_alone(tmp_path):
     finally:
         other.kill()
         other.wait(timeout=10)  # our child now: reaped here
+
+
+def test_adopted_helpers_that_end_are_reaped_not_left_as_zombies(tmp_path):
+    """A detached helper that ends during the launch is collected by the supervisor (its subreaper parent), and a
+    zombie of a child this process started otherwise is left to its own Popen."""
+    from prefect_accelerate.launchers.plan import LaunchPlan
+    from prefect_accelerate.launchers.process import run_plan
+
+    other = subprocess.Popen([sys.executable, "-c", "pass"])  # someone else's child: its status is Popen's
+    deadline = time.monotonic() + 60
+    while psutil.Process(other.pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    script = tmp_path / "brief_helpers.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "for _ in range(3):\n"
+        "    subprocess.run(['setsid', '-f', sys.executable, '-c', 'import time; time.sleep(1)'], check=True)\n"
+        "time.sleep(3)\n"
+    )
+    plan = LaunchPlan(launcher="simple", argv=(sys.executable, str(script)), cwd=str(tmp_path), run_dir=str(tmp_path / "run"))
+    assert run_plan(plan).succeeded
+    zombies = [p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
+    assert zombies == [other.pid]
+    assert other.wait(timeout=10) == 0  # its exit status was not taken by the launch's reaping
