@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -207,7 +208,9 @@ def run_plan(
     first_rank = plan.machine_rank * (plan.num_processes // max(plan.num_machines, 1))
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     command = redact(plan.command_line())
-    launch_id = run_dir.name
+    # unique per launch, even when a --run_dir is reused: a watchdog still ending an earlier launch of the same
+    # folder must not recognise this one's processes as its own
+    launch_id = f"{run_dir.name}-{os.getpid()}-{secrets.token_hex(3)}"
     log_dir = _log_dir(plan)
     _clear_stale_launches()
     env = _launch_env(plan, env, launch_id)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from helpers.processes import assert_all_gone, read_pids, wait_for_pids
 
-from prefect_accelerate.launchers.reaper import LAUNCH_ID_ENV, tagged_processes
+from prefect_accelerate.launchers.reaper import LAUNCH_ID_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(REPO / "tests" / "launchers" / "scripts" / "detaching_worker.py")
@@ -100,14 +100,24 @@ def launch_env(tmp: Path, **extra: str) -> dict[str, str]:
             "PREFECT_ACCELERATE_STATE_DIR": str(tmp / "state"), **extra}
 
 
-def assert_launch_gone(tmp: Path, launch_id: str, timeout: float) -> None:
+def launch_processes(run_name: str) -> list[psutil.Process]:
+    """Live processes whose launch id (run folder name, pid, random part) belongs to the run folder `run_name`."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get(LAUNCH_ID_ENV, "").startswith(f"{run_name}-"):
+                found.append(proc)
+    return found
+
+
+def assert_launch_gone(tmp: Path, run_name: str, timeout: float) -> None:
     """Within `timeout`: every pid the workers and their helpers wrote is gone, and so is every process carrying
     the launch's id (torchrun included)."""
     deadline = time.monotonic() + timeout
     assert_all_gone(read_pids(tmp / "pids"), timeout=timeout)
-    while tagged_processes(launch_id) and time.monotonic() < deadline:
+    while launch_processes(run_name) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not tagged_processes(launch_id), f"processes of {launch_id} still alive"
+    assert not launch_processes(run_name), f"processes of {run_name} still alive"
 
 
 @TRIALS
