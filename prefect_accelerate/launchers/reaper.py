@@ -33,16 +33,25 @@ _PR_SET_CHILD_SUBREAPER = 36
 _subreaper: bool | None = None
 
 
-def _prctl(option: int, value: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
+_libc_prctl = None
 
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+
+def _prctl_function():
+    """libc's prctl, resolved once in this process (never inside a forked child, where an import could block)."""
+    global _libc_prctl
+    if _libc_prctl is None and sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            _libc_prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            _libc_prctl = False
+    return _libc_prctl or None
+
+
+def _prctl(option: int, value: int, function=None) -> bool:
+    function = function or _prctl_function()
+    return function is not None and function(option, value, 0, 0, 0) == 0
 
 
 def become_subreaper() -> bool:
@@ -57,23 +66,26 @@ def become_subreaper() -> bool:
     return _subreaper
 
 
-def die_with_parent(parent: int) -> None:
+def die_with_parent(parent: int, prctl) -> None:
     """preexec_fn for the launcher: SIGTERM when the thread that started it dies (kill -9 of the supervisor).
 
     The kernel sends it when the parent *thread* ends, so it is set only for launches started by the main
     thread (`parent_death_hook`). A parent that died before the prctl took effect ends the child at once.
     It is cleared in the launcher's own children (fork), which is why the watchdog exists.
     """
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), prctl)
     if os.getppid() != parent:
         os._exit(1)
 
 
 def parent_death_hook():
     """The preexec_fn to start a launcher with, or None where a parent-death signal would fire wrongly."""
-    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread():
         return None
-    return functools.partial(die_with_parent, os.getpid())
+    prctl = _prctl_function()
+    if prctl is None:
+        return None
+    return functools.partial(die_with_parent, os.getpid(), prctl)
 
 
 def carries_launch_id(proc, launch_id: str) -> bool:

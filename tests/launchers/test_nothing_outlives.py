@@ -284,3 +284,22 @@ def test_adopted_helpers_that_end_are_reaped_not_left_as_zombies(tmp_path):
     zombies = [p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
     assert zombies == [other.pid]
     assert other.wait(timeout=10) == 0  # its exit status was not taken by the launch's reaping
+
+
+PDEATH_DRIVER = """
+import subprocess, sys, time
+from prefect_accelerate.launchers.reaper import parent_death_hook
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], preexec_fn=parent_death_hook())
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_launcher_gets_sigterm_as_soon_as_its_supervisor_dies():
+    """The parent-death signal on its own (no watchdog here): kill -9 of the starting process ends its child."""
+    driver = subprocess.Popen([sys.executable, "-c", PDEATH_DRIVER], stdout=subprocess.PIPE, text=True)
+    child = int(driver.stdout.readline())
+    assert psutil.pid_exists(child)
+    driver.kill()
+    driver.wait()
+    assert_all_gone([child], timeout=10)
