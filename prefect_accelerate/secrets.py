@@ -53,6 +53,11 @@ class Redactor:
     def add(self, values) -> None:  # noqa: ANN001 - any iterable of str
         self._values = sorted({*self._values, *(v for v in values if v and len(v) >= 4)}, key=len, reverse=True)
 
+    @property
+    def values(self) -> tuple[str, ...]:
+        """The values replaced, longest first."""
+        return tuple(self._values)
+
     def __contains__(self, value: str) -> bool:
         return value in self._values
 
@@ -63,10 +68,17 @@ class Redactor:
         return line
 
 
+#: names (never values) of further variables a launch marks secret, passed to the processes that redact
+#: for it (torchrun's rank-log writer, the watchdog)
+SECRET_NAMES_ENV = "PREFECT_ACCELERATE_SECRET_NAMES"
+
+
 def known_secret_values(*envs: Mapping[str, str]) -> list[str]:
     """The values of secret-named variables in these environments and in this process's own: what a user
     may paste into a command line (`--tok $HF_TOKEN`) and must never see echoed or stored."""
-    return [value for env in (os.environ, *envs) for name, value in env.items() if value and is_secret_name(name)]
+    marked = set(filter(None, os.environ.get(SECRET_NAMES_ENV, "").split(",")))
+    return [value for env in (os.environ, *envs) for name, value in env.items()
+            if value and (is_secret_name(name) or name in marked)]
 
 
 def redact_argv(argv: Iterable[str], *envs: Mapping[str, str]) -> tuple[str, ...]:

@@ -325,6 +325,7 @@ def load_config_path(path: str | os.PathLike[str], *, source: str = "passed", dr
     """Read, migrate and validate one config file."""
     file = Path(path).expanduser()
     raw = read_raw(file)
+    remove_stale_temp_files(file)
     data, migration = migrate(raw, file, drop_removed=drop_removed)
     return LoadedConfig(
         config=parse_config(data, file), location=ConfigLocation(file, source), migration=migration, raw=raw  # type: ignore[arg-type]
@@ -386,7 +387,7 @@ def write_text_atomic(path: Path, text: str, *, backup: bool = True) -> Path | N
         raise ConfigError(_unwritable(path, error)) from None
     if path.exists():
         check_regular_file(path, "file to write")
-    _remove_stale_temp_files(path)
+    remove_stale_temp_files(path)
     backup_path: Path | None = None
     try:
         if backup and path.exists():
@@ -394,7 +395,6 @@ def write_text_atomic(path: Path, text: str, *, backup: bool = True) -> Path | N
             if old == text.encode("utf-8"):
                 return None
             backup_path = path.with_name(path.name + ".bak")
-            _remove_stale_temp_files(backup_path)
             _replace_with(backup_path, old, mode=path.stat().st_mode & 0o777)
         _replace_with(path, text.encode("utf-8"))
     except OSError as error:
@@ -419,8 +419,16 @@ def _temp_prefix(path: Path) -> str:
     return f".{path.name}."
 
 
-def _remove_stale_temp_files(path: Path) -> None:
-    """Delete `.NAME.<pid>.*.tmp` files whose writer (by pid) is no longer running: a kill mid-write leaves them."""
+def remove_stale_temp_files(path: Path) -> None:
+    """Delete the temp files a killed writer left beside `path` and its backup (`.NAME.<pid>.*.tmp`,
+    `.NAME.bak.<pid>.*.tmp`) when that writer (by pid) is no longer running. Every read and write of a
+    config calls it; a folder we cannot write to is left as it is."""
+    path = Path(os.path.realpath(path))
+    for target in (path, path.with_name(path.name + ".bak")):
+        _remove_stale_temps_of(target)
+
+
+def _remove_stale_temps_of(path: Path) -> None:
     prefix = _temp_prefix(path)
     try:
         names = [n for n in os.listdir(path.parent) if n.startswith(prefix) and n.endswith(_TEMP_SUFFIX)]
@@ -428,7 +436,9 @@ def _remove_stale_temp_files(path: Path) -> None:
         return
     for name in names:
         pid_text = name[len(prefix):].split(".", 1)[0]
-        if pid_text.isdigit() and _pid_alive(int(pid_text)):
+        if not pid_text.isdigit():
+            continue  # `.NAME.bak.<pid>...`: the backup's own pass decides about it
+        if _pid_alive(int(pid_text)):
             continue  # another writer is busy with it
         try:
             os.unlink(path.parent / name)

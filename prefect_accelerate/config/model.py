@@ -154,8 +154,50 @@ def _enum_value(enum_cls):
 
 Precision = Annotated[PrecisionType, _enum_value(PrecisionType)]
 
-#: the most processes a config may ask for (all machines together); launchers/options.py holds flags to it too
+# The limits below are the one rule set for these values: the config model applies them when a file is
+# written (config update/default/questionnaire) and read (load, env, launch), and launchers/options.py
+# holds flags to the same constants and the same address rule (issue 27).
+
+#: the most processes a config may ask for (all machines together)
 MAX_PROCESSES = 1 << 20
+#: the most machines a launch may span, and processes it may start on one machine
+MAX_MACHINES = 1 << 16
+MAX_PROCESSES_PER_MACHINE = 1024
+
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$")
+
+
+def address_problem(value: str) -> str | None:
+    """Why `value` is not a host name or an IP address (None when it is one).
+
+    A host name is dot-separated labels of letters, digits, hyphens (not at either end) and underscores, at
+    most 253 characters; an IPv6 address may be written in brackets.
+    """
+    import ipaddress
+
+    text = value.strip()
+    if not text:
+        return "it is empty"
+    with_brackets = text.startswith("[") and text.endswith("]")
+    try:
+        ipaddress.ip_address(text[1:-1] if with_brackets else text)
+        return None
+    except ValueError:
+        pass
+    host = text[:-1] if text.endswith(".") else text
+    if len(host) <= 253 and all(_HOST_LABEL.match(label) for label in host.split(".")):
+        return None
+    return "it must be a host name (such as node-0 or node-0.cluster.local) or an IP address (such as 10.0.0.1)"
+
+
+def _address(value: str) -> str:
+    problem = address_problem(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+Address = Annotated[str, Field(strict=True), AfterValidator(_address)]
 
 _GPU_IDS = re.compile(r"^\s*(all|\d+(\s*,\s*\d+)*)\s*,?\s*$", re.IGNORECASE)
 
@@ -521,10 +563,10 @@ class ClusterConfig(BaseConfig):
     distributed_type: Annotated[DistributedType, _enum_value(DistributedType)]
     #: the upper bound keeps a typo (99999999999) from starting a launcher that grows until memory runs out
     num_processes: Annotated[int, BeforeValidator(_whole_number), Field(ge=-1, le=MAX_PROCESSES)] = -1
-    machine_rank: NonNegativeInt = 0
-    num_machines: PositiveInt = 1
+    machine_rank: Annotated[int, BeforeValidator(_whole_number), Field(ge=0, lt=MAX_MACHINES)] = 0
+    num_machines: Annotated[int, BeforeValidator(_whole_number), Field(ge=1, le=MAX_MACHINES)] = 1
     gpu_ids: Annotated[str, BeforeValidator(_gpu_ids)] | None = None
-    main_process_ip: Text | None = None
+    main_process_ip: Address | None = None
     main_process_port: Annotated[int, BeforeValidator(_whole_number), Field(ge=0, le=65535)] | None = None
     rdzv_backend: Annotated[str, _choice(RDZV_BACKENDS)] = "static"
     same_network: Flag = False
@@ -566,6 +608,13 @@ class ClusterConfig(BaseConfig):
                 f"machine_rank is {self.machine_rank} but num_machines is {self.num_machines}; ranks go "
                 f"from 0 to {self.num_machines - 1}"
             )
+        per_machine = self.num_processes // self.num_machines
+        if per_machine > MAX_PROCESSES_PER_MACHINE:
+            raise ValueError(
+                f"num_processes {self.num_processes} over num_machines {self.num_machines} is {per_machine:,} "
+                f"processes on one machine; at most {MAX_PROCESSES_PER_MACHINE} are started per machine. Lower "
+                "num_processes (it counts the processes of all machines together)"
+            )
         if (
             self.distributed_type == DistributedType.DEEPSPEED
             and self.deepspeed_config.deepspeed_config_file
@@ -589,7 +638,7 @@ class SageMakerConfig(BaseConfig):
     image_uri: Text | None = None
     profile: Text | None = None
     region: Text = "us-east-1"
-    num_machines: PositiveInt = 1
+    num_machines: Annotated[int, BeforeValidator(_whole_number), Field(ge=1, le=MAX_MACHINES)] = 1
     gpu_ids: Annotated[str, BeforeValidator(_gpu_ids)] = "all"
     base_job_name: Text = SAGEMAKER_BASE_JOB_NAME
     pytorch_version: Text = SAGEMAKER_PYTORCH_VERSION

@@ -25,7 +25,9 @@ from pydantic import BaseModel, ConfigDict, SecretStr, create_model, field_seria
 
 from prefect_accelerate.config.enums import MULTI_DEVICE_TYPES, DistributedType
 from prefect_accelerate.config.io import LoadedConfig, load_config_path
-from prefect_accelerate.config.model import MAX_PROCESSES, SECTION_MODELS, ClusterConfig, SageMakerConfig, as_bool
+from prefect_accelerate.config.model import (
+    MAX_MACHINES, MAX_PROCESSES, MAX_PROCESSES_PER_MACHINE, SECTION_MODELS, ClusterConfig, SageMakerConfig, address_problem, as_bool,
+)
 from prefect_accelerate.config.paths import find_default_config
 from prefect_accelerate.errors import ConfigError, UsageError
 
@@ -40,10 +42,8 @@ DEFAULTS_WARNING_TAIL = (
     "`prefect-accelerate config`."
 )
 
-#: the most processes one launch may start in all, and on one machine: far above any real machine, and low
-#: enough that a typo (99999999999) is an error instead of a launcher that grows until memory runs out
-MAX_PROCESSES_PER_MACHINE = 1024
-MAX_MACHINES = 1 << 16
+# the most processes one launch may start in all and on one machine, and the most machines: far above any real
+# cluster, low enough that a typo (99999999999) is an error. They live in config/model.py, the one rule set.
 
 #: config scalars Accelerate copies but that are not flags
 _CONFIG_ONLY_SCALARS = ("use_cpu", "tpu_name", "tpu_zone", "command_file", "commands", "tpu_vm", "tpu_env")
@@ -370,6 +370,11 @@ def check_ranges(a: Mapping[str, Any], given: frozenset[str]) -> None:
     rank = whole("machine_rank")
     if rank is not None and not 0 <= rank < max(machines or 1, 1):
         raise bad("machine_rank", f"machine ranks go from 0 to num_machines - 1 ({max(machines or 1, 1) - 1})")
+    address = a.get("main_process_ip")
+    if address is not None:
+        problem = address_problem(str(address))
+        if problem:
+            raise bad("main_process_ip", problem)
     port = whole("main_process_port")
     if port is not None and not 0 <= port <= 65535:
         raise bad("main_process_port", "a port is between 1 and 65535 (or 0 to pick a free one)")

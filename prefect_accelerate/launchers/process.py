@@ -8,6 +8,10 @@ Facts this module is built on (spike-prefect-torch §3.1, §4.3, §4.4; prefect-
   a grace period shorter than Prefect's 30 s, then SIGKILL for the launcher and every descendant we saw.
 - The launcher starts in its own session and its pids go to a state file, so a flow-level hook can
   end them if this process is killed before it could (launchers/state.py).
+- Nothing outlives the launch (issue 27): this process is a child subreaper, so helpers that double-fork
+  are re-parented to us and stopped with the rest, on every path including a normal end; a watchdog and
+  a parent-death signal end the launch if this process is killed with -9 (reaper.py, watchdog.py); and
+  torchrun's per-rank logs are written through the redactor (ranklogs.py).
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import secrets
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -26,12 +32,15 @@ from pathlib import Path
 from prefect_accelerate.errors import LaunchError
 from prefect_accelerate.signals import sigterm_as_exception
 from prefect_accelerate.launchers.plan import LaunchPlan
-from prefect_accelerate.secrets import Redactor
+from prefect_accelerate.secrets import SECRET_NAMES_ENV, Redactor
+from prefect_accelerate.launchers.reaper import LAUNCH_ID_ENV, become_subreaper, parent_death_hook
+from prefect_accelerate.launchers.sealing import seal_folder
+from prefect_accelerate.launchers.watchdog import Watchdog
 from prefect_accelerate.launchers.result import (
     RANK_PREFIX, TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, rank_exception, read_error_file,
 )
 from prefect_accelerate.launchers.state import (
-    PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, make_private_dir, new_run_dir, remove_state, write_state,
+    PRIVATE_FILE_MODE, make_private_dir, new_run_dir, remove_state, write_state,
 )
 
 #: seconds between SIGTERM and SIGKILL; below Prefect's 30 s so we finish before it kills us
@@ -59,36 +68,47 @@ def split_rank(line: str, default: str, first_rank: int = 0) -> tuple[str, str]:
 
 
 class _Tracker:
-    """Every descendant of the launcher seen so far, with its start time (so a reused pid is never hit)."""
+    """Every process of the launch seen so far, with its start time (so a reused pid is never hit).
 
-    def __init__(self, pid: int) -> None:
+    That is the launcher's tree, and, with the supervisor a child subreaper (reaper.py), the orphans the
+    kernel re-parents to us when a worker's helper double-forks or daemonizes, with their own trees.
+    """
+
+    def __init__(self, pid: int, launch_id: str = "") -> None:
         import psutil
 
         self.root = psutil.Process(pid)
+        self.launch_id = launch_id
         self.seen: dict[int, float] = {pid: self.root.create_time()}
 
     def refresh(self) -> bool:
         import psutil
 
+        from prefect_accelerate.launchers.reaper import adopted_children
+
         changed = False
-        try:
-            children = self.root.children(recursive=True)
-        except psutil.NoSuchProcess:
-            return False
-        for child in children:
+        tops = [self.root, *(adopted_children(self.launch_id, set(self.seen)) if self.launch_id else [])]
+        for top in tops:
             try:
-                if child.pid not in self.seen:
-                    self.seen[child.pid] = child.create_time()
-                    changed = True
+                found = [top, *top.children(recursive=True)]
             except psutil.NoSuchProcess:
                 continue
+            for proc in found:
+                try:
+                    if proc.pid not in self.seen:
+                        self.seen[proc.pid] = proc.create_time()
+                        changed = True
+                except psutil.NoSuchProcess:
+                    continue
         return changed
 
-    def alive(self):
+    def alive(self, *, include_root: bool = True):
         import psutil
 
         procs = []
         for pid, started in self.seen.items():
+            if pid == self.root.pid and not include_root:
+                continue
             try:
                 proc = psutil.Process(pid)
                 if abs(proc.create_time() - started) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE:
@@ -96,6 +116,11 @@ class _Tracker:
             except psutil.NoSuchProcess:
                 continue
         return procs
+
+    def reap(self) -> None:
+        from prefect_accelerate.launchers.reaper import reap_adopted
+
+        reap_adopted(self.seen, exclude=self.root.pid)
 
     def as_records(self) -> list[dict[str, float | int]]:
         return [{"pid": pid, "create_time": started} for pid, started in self.seen.items()]
@@ -108,8 +133,13 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
+#: rounds of "find what is left, SIGTERM, SIGKILL": a daemon being stopped may start another process
+STOP_ROUNDS = 3
+
+
 def terminate_tree(process: subprocess.Popen, tracker: _Tracker, grace: float) -> None:
-    """SIGTERM the launcher (it stops its workers), wait `grace`, then SIGKILL whatever is left."""
+    """SIGTERM the launcher (it stops its workers), wait `grace`, then stop whatever is left: SIGTERM, a short
+    wait, SIGKILL, for every process of the launch (adopted orphans included), and reap the adopted ones."""
     import psutil
 
     tracker.refresh()
@@ -119,18 +149,28 @@ def terminate_tree(process: subprocess.Popen, tracker: _Tracker, grace: float) -
         while process.poll() is None and time.monotonic() < deadline:
             tracker.refresh()
             time.sleep(0.05)
-    leftovers = tracker.alive()
-    for proc in leftovers:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.terminate()
-    _, leftovers = psutil.wait_procs(leftovers, timeout=min(grace, 3.0))
-    _signal_group(process.pid, signal.SIGKILL)
-    for proc in leftovers:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    psutil.wait_procs(leftovers, timeout=5)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=5)
+    if process.poll() is None:  # the grace is spent
+        _signal_group(process.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
+    for _ in range(STOP_ROUNDS):
+        tracker.refresh()
+        # the launcher is Popen's to wait for: psutil's wait on it would take its exit status
+        leftovers = tracker.alive(include_root=False)
+        if not leftovers:
+            break
+        for proc in leftovers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        _, leftovers = psutil.wait_procs(leftovers, timeout=min(grace, 3.0))
+        for proc in leftovers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(leftovers, timeout=5)
+    _signal_group(process.pid, signal.SIGKILL)  # anything left in the launcher's group that we never saw
+    tracker.reap()
 
 
 def run_plan(
@@ -155,6 +195,7 @@ def run_plan(
         The LaunchResult (also for failures; call `raise_for_failure()`). Interrupts (Ctrl-C, SIGTERM,
         Prefect cancellation) stop the tree and are re-raised.
     """
+    become_subreaper()  # before anything starts: orphans of the launch are re-parented to us, not to PID 1
     run_dir = make_private_dir(Path(plan.run_dir) if plan.run_dir else new_run_dir(), "run folder")
     for name, content in plan.files.items():
         target = Path(name) if os.path.isabs(name) else run_dir / name
@@ -167,24 +208,33 @@ def run_plan(
     first_rank = plan.machine_rank * (plan.num_processes // max(plan.num_machines, 1))
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     command = redact(plan.command_line())
+    # unique per launch, even when a --run_dir is reused: a watchdog still ending an earlier launch of the same
+    # folder must not recognise this one's processes as its own
+    launch_id = f"{run_dir.name}-{os.getpid()}-{secrets.token_hex(3)}"
+    log_dir = _log_dir(plan)
+    _clear_stale_launches()
+    env = _launch_env(plan, env, launch_id)
+    watchdog = _start_watchdog(launch_id, run_dir, log_dir, env)
     started = time.monotonic()
     try:
         process = subprocess.Popen(
-            list(plan.argv), cwd=plan.cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            _redacting_rank_logs(list(plan.argv)), cwd=plan.cwd, env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=parent_death_hook(),
         )
     except FileNotFoundError as error:
+        watchdog.release()
         raise LaunchError(
             f"Could not start {plan.argv[0]!r}: {error.strerror}. With --no_python the script must be an executable "
             f"file; otherwise check that the interpreter exists. Working directory: {plan.cwd}."
         ) from None
     except PermissionError:
+        watchdog.release()
         raise LaunchError(f"{plan.argv[0]!r} is not executable. Make it executable (chmod +x) or drop --no_python.") from None
 
-    tracker = _Tracker(process.pid)
-    launch_id = run_dir.name
+    tracker = _Tracker(process.pid, launch_id)
     state = {"pid": process.pid, "pgid": process.pid, "flow_run_id": flow_run_id, "task_run_id": task_run_id,
-             "run_dir": str(run_dir), "command": command, "started_at": time.time()}
+             "run_dir": str(run_dir), "log_dir": str(log_dir) if log_dir else None, "command": command,
+             "started_at": time.time(), "supervisor": _supervisor_record()}
     write_state(launch_id, {**state, "processes": tracker.as_records()})
 
     stopping = threading.Event()
@@ -217,6 +267,7 @@ def run_plan(
             while process.poll() is None:
                 if tracker.refresh():
                     write_state(launch_id, {**state, "processes": tracker.as_records()})
+                tracker.reap()
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out = True
                     break
@@ -227,12 +278,13 @@ def run_plan(
             stopping.set()
         terminate_tree(process, tracker, grace)
         reader.join(timeout=10)
-        remove_state(launch_id)
-        # torchrun's per-rank logs hold the workers' raw output: redact them like our own log (issue 17)
-        log_dir = _log_dir(plan)
+        # rank logs were redacted as written (ranklogs.py); torchrun's error files, and rank logs of a torchrun
+        # without our LogsSpecs, are redacted here (issue 17)
         seal_folder(run_dir, redact)
         if log_dir is not None and run_dir not in log_dir.parents and log_dir != run_dir:
             seal_folder(log_dir, redact)
+        remove_state(launch_id)
+        watchdog.release()
 
     duration = time.monotonic() - started
     code = process.returncode if process.returncode is not None else -9
@@ -264,6 +316,58 @@ def run_plan(
     )
 
 
+def _launch_env(plan: LaunchPlan, env: dict[str, str], launch_id: str) -> dict[str, str]:
+    """The launcher's environment: the plan's, plus the launch id every descendant inherits (how adopted
+    orphans and, after a kill -9, the watchdog recognise them) and the names of the plan's own secrets
+    (for the rank-log redactor inside torchrun)."""
+    env = {**env, LAUNCH_ID_ENV: launch_id}
+    marked = sorted(name for name in plan.secret_env if name in env)
+    if marked:
+        env[SECRET_NAMES_ENV] = ",".join(marked)
+    return env
+
+
+def _start_watchdog(launch_id: str, run_dir: Path, log_dir: Path | None, env: dict[str, str]) -> Watchdog:
+    # the watchdog must not carry the launch id: it is not one of the processes it ends
+    return Watchdog.start(launch_id, run_dir, log_dir, {k: v for k, v in env.items() if k != LAUNCH_ID_ENV})
+
+
+def _supervisor_record() -> dict[str, float | int]:
+    import psutil
+
+    return {"pid": os.getpid(), "create_time": psutil.Process().create_time()}
+
+
+def _clear_stale_launches() -> None:
+    """Records of launches whose supervisor was killed (kill -9) before its watchdog could act: end what is left,
+    redact their leftover logs, drop the records."""
+    from prefect_accelerate.launchers.watchdog import clear_stale_launches
+
+    with contextlib.suppress(Exception):  # never a reason not to start this launch
+        clear_stale_launches()
+
+
+#: torchrun's LogsSpecs entry point that writes per-rank logs through the redactor (launchers/ranklogs.py)
+LOGS_SPECS = "prefect_accelerate"
+
+
+def _redacting_rank_logs(argv: list[str]) -> list[str]:
+    """torchrun's argv with `--logs_specs prefect_accelerate` when it writes per-rank logs and the interpreter
+    running it has our entry point (this one); else unchanged (then the logs are sealed when the launch ends)."""
+    if "torch.distributed.run" not in argv[:3] or "--log_dir" not in argv or argv[0] != sys.executable:
+        return argv
+    if not _has_logs_specs():  # (our flag table has no --logs_specs: the plan never names another one)
+        return argv
+    at = argv.index("torch.distributed.run") + 1
+    return [*argv[:at], "--logs_specs", LOGS_SPECS, *argv[at:]]
+
+
+def _has_logs_specs() -> bool:
+    from importlib.metadata import entry_points
+
+    return bool(entry_points(group="torchrun.logs_specs", name=LOGS_SPECS))
+
+
 def _write_private(path: Path, content: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
     with open(fd, "w", encoding="utf-8") as handle:
@@ -284,41 +388,3 @@ def _own_exception_rank(failures, root_rank: int | None) -> int | None:
         if failure.exit_code != -15:
             return failure.rank
     return root_rank
-
-
-def seal_folder(folder: Path, redact: Redactor) -> None:
-    """Replace known secret values in every file under `folder`, and make it and them owner-only.
-
-    Written files are torchrun's per-rank logs (the workers' raw output) and our own; each is rewritten
-    line by line through `redact` only when a secret is in it.
-    """
-    if not folder.is_dir():
-        return
-    for root, dirs, files in os.walk(folder):
-        with contextlib.suppress(OSError):
-            os.chmod(root, PRIVATE_DIR_MODE)
-        for name in files:
-            path = Path(root, name)
-            with contextlib.suppress(OSError):
-                if path.is_symlink() or not path.is_file():
-                    continue
-                os.chmod(path, PRIVATE_FILE_MODE)
-                _redact_file(path, redact)
-
-
-def _redact_file(path: Path, redact: Redactor) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.redact")
-    changed = False
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
-    try:
-        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as source, \
-                open(fd, "w", encoding="utf-8", errors="surrogateescape", newline="") as target:
-            for line in source:  # streamed: per-rank logs can be large
-                cleaned = redact(line)
-                changed = changed or cleaned != line
-                target.write(cleaned)
-        if changed:
-            os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)

@@ -9,6 +9,7 @@ start time so a recycled pid is never touched.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
@@ -28,13 +29,15 @@ PRIVATE_FILE_MODE = 0o600
 def make_private_dir(path: Path, what: str = "folder") -> Path:
     """Create `path` (and missing parents) readable by the owner only; a one-paragraph UsageError if it cannot be.
 
-    Existing folders keep their parents' modes; the folder itself is made owner-only.
+    Folders it creates are owner-only from the start; existing folders outside the state folder keep their
+    modes; the folder itself is made owner-only, and so is every folder between the state folder and it (the state folder, runs/, launches/ included): run
+    names (script names, times) are nobody else's to list.
     """
     from prefect_accelerate.errors import UsageError
 
     path = Path(path)
     try:
-        path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+        _mkdirs_private(path)
         os.chmod(path, PRIVATE_DIR_MODE)
     except OSError as error:
         blocker = next((p for p in [path, *path.parents] if p.exists() and not p.is_dir()), None)
@@ -44,7 +47,36 @@ def make_private_dir(path: Path, what: str = "folder") -> Path:
             f"Could not create the {what} {path}: {why}{hint}. Choose a folder you can write to (--run_dir for a "
             f"launch's folder, {STATE_ENV} for the state folder), then run the command again."
         ) from None
+    _private_state_parents(path)
     return path
+
+
+def _mkdirs_private(path: Path) -> None:
+    """Create `path` and its missing parents owner-only from the start (mkdir's `parents` would make them 0755
+    first, and for a moment others could list run names)."""
+    missing = []
+    folder = path.absolute()
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(folder, PRIVATE_DIR_MODE)
+    if not path.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(path))
+
+
+def _private_state_parents(path: Path) -> None:
+    root = state_dir()
+    try:
+        relative = path.absolute().relative_to(root.absolute())
+    except ValueError:
+        return
+    for depth in range(len(relative.parts)):
+        folder = root.joinpath(*relative.parts[:depth])
+        with contextlib.suppress(OSError):
+            if not folder.is_symlink() and folder.is_dir() and folder.stat().st_uid == os.getuid():
+                os.chmod(folder, PRIVATE_DIR_MODE)
 
 
 def _default_dir() -> Path:
@@ -70,7 +102,7 @@ def cache_dir() -> Path:
 
 
 def new_run_dir(prefix: str = "launch") -> Path:
-    """A fresh, unique folder name under <state>/runs (not created)."""
+    """A fresh, unique folder name under <state>/runs (not created; `make_private_state_dir` makes its parents)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return state_dir() / "runs" / f"{stamp}-{prefix}-{secrets.token_hex(3)}"
 
@@ -142,7 +174,7 @@ def recorded_launches(flow_run_id: str | None = None) -> list[dict[str, Any]]:
     return read_records(LAUNCHES, flow_run_id)
 
 
-def _alive_matching(processes: Iterable[dict[str, Any]]):
+def alive_matching(processes: Iterable[dict[str, Any]]):
     import psutil
 
     alive = []
@@ -156,6 +188,15 @@ def _alive_matching(processes: Iterable[dict[str, Any]]):
     return alive
 
 
+def alive_recorded(record: Path):
+    """The live processes a state file lists (start times matching), or [] when it is gone or unreadable."""
+    try:
+        data = json.loads(Path(record).read_text())
+    except (OSError, ValueError):
+        return []
+    return alive_matching(data.get("processes", []))
+
+
 def end_recorded_launches(flow_run_id: str | None = None, grace: float = 10.0) -> list[int]:
     """End every process recorded for `flow_run_id` (all of this host's when None). Idempotent.
 
@@ -166,7 +207,7 @@ def end_recorded_launches(flow_run_id: str | None = None, grace: float = 10.0) -
 
     signalled: list[int] = []
     for data in recorded_launches(flow_run_id):
-        processes = _alive_matching(data.get("processes", []))
+        processes = alive_matching(data.get("processes", []))
         for proc in processes:
             try:
                 proc.send_signal(signal.SIGTERM)

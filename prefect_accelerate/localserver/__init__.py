@@ -323,14 +323,29 @@ def ensure_server(home: Path | None = None, timeout: float | None = None) -> tup
         os.close(fd)
 
 
+#: the server's database holds run parameters and logs: the server we start writes it owner-only
+#: (umask for the keeper and the server it starts; an existing database is made owner-only too)
+SERVER_UMASK = 0o077
+DATABASE_FILES = ("prefect.db", "prefect.db-wal", "prefect.db-shm", "prefect.db-journal")
+
+
+def private_database(home: Path) -> None:
+    """Make a database an earlier server left readable by others owner-only."""
+    for name in DATABASE_FILES:
+        with contextlib.suppress(OSError):
+            os.chmod(home / name, 0o600)
+
+
 def _spawn_keeper(home: Path) -> int:
     folder = files_dir(home)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_database(home)
     port = PREFERRED_PORT if _port_free(PREFERRED_PORT) else _free_port()
-    with open(folder / "server.log", "ab") as log:
+    with open(os.open(folder / "server.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
         keeper = subprocess.Popen(
             [sys.executable, "-m", "prefect_accelerate.localserver.keeper", str(home), str(port), str(idle_seconds())],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+            umask=SERVER_UMASK,
         )
     return keeper.pid
 

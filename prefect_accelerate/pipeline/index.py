@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefect_accelerate.launchers.state import state_dir
+from prefect_accelerate.launchers.state import make_private_dir, state_dir
 
 
 def _root() -> Path:
@@ -36,10 +36,10 @@ def last_record(pipeline_id: str, step: str) -> dict[str, Any] | None:
 def record(pipeline_id: str, step: str, key: str, inputs: dict[str, str]) -> None:
     """Remember that `step` completed with `key` (atomic writes; safe to call from several processes)."""
     marker = _root() / "keys" / key
-    marker.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(marker.parent, "state folder")
     marker.write_text(f"{time.time()}\n")
     folder = _root() / pipeline_id
-    folder.mkdir(parents=True, exist_ok=True)
+    make_private_dir(folder, "state folder")
     target = folder / f"{step}.json"
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
     # the facts behind the "environment" digest, so `plan` can say which of them changed, not only that one did

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -106,6 +107,9 @@ def test_commands_started_together_start_exactly_one_server_and_later_ones_reuse
     assert [p.pid for p in server_processes(fresh_home)] == [record.pid]
     # the server lives in a session of its own: a Ctrl-C in the terminal of a command never reaches it
     assert os.getsid(record.pid) == record.keeper_pid != os.getsid(0)
+    # its database (run parameters, logs) and log are the user's only (issue 27)
+    assert stat.S_IMODE((fresh_home / "prefect.db").stat().st_mode) == 0o600
+    assert stat.S_IMODE((localserver.files_dir(fresh_home) / "server.log").stat().st_mode) == 0o600
     runs = flow_runs(record.url, "env")
     assert len(runs) == 3 and all(run.state.is_completed() for run in runs)
 
@@ -328,3 +332,11 @@ def test_with_two_servers_up_each_ones_ui_reads_its_own_api(prefect_harness, fre
         with urllib.request.urlopen(f"{record.ui_url}/ui-settings", timeout=60) as answer:
             settings = json.load(answer)
         assert settings["api_url"] == record.url == f"http://127.0.0.1:{record.port}/api", (settings, record)
+
+
+def test_a_database_an_earlier_server_left_readable_is_made_owner_only(tmp_path):
+    for name in ("prefect.db", "prefect.db-wal"):
+        (tmp_path / name).write_text("")
+        os.chmod(tmp_path / name, 0o644)
+    localserver.private_database(tmp_path)
+    assert {stat.S_IMODE((tmp_path / name).stat().st_mode) for name in ("prefect.db", "prefect.db-wal")} == {0o600}

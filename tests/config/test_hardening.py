@@ -111,6 +111,26 @@ def test_temp_files_left_by_a_killed_writer_are_cleaned_on_the_next_write(tmp_pa
     assert not stale.exists() and not stale_bak.exists() and busy.exists()
 
 
+@pytest.mark.parametrize("then", ["read", "unchanged write"])
+def test_a_backup_temp_left_by_a_kill_during_the_rename_is_cleared_by_the_next_read_or_write(tmp_path, then):
+    """A kill during the backup's rename leaves `.NAME.bak.<pid>.*.tmp`: the next read of the config, or a write
+    that changes nothing (so makes no backup), clears it; a live writer's temp file is kept."""
+    from prefect_accelerate.config.io import load_config_path
+
+    path = tmp_path / "c.yaml"
+    path.write_text(SINGLE)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    stale_bak = tmp_path / f".c.yaml.bak.{dead.stdout.strip()}.def456.tmp"
+    stale_bak.write_text("half a backup")
+    busy_bak = tmp_path / f".c.yaml.bak.{os.getppid()}.zzz.tmp"  # a live writer's (the parent process is alive)
+    busy_bak.write_text("in progress")
+    if then == "read":
+        load_config_path(path)
+    else:
+        write_text_atomic(path, path.read_text())
+    assert not stale_bak.exists() and busy_bak.exists()
+
+
 @pytest.mark.parametrize("blocker", ["file", "unwritable"])
 def test_an_uncreatable_folder_is_one_paragraph_not_a_traceback(tmp_path, blocker):
     if blocker == "file":

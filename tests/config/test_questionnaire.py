@@ -694,3 +694,12 @@ def test_cli_end_of_input_exits_2_and_writes_nothing(tmp_path):
     result, path = run_cli(tmp_path, ["0", "4"])
     assert result.returncode == 2 and not path.exists()
     assert "interrupted" in result.stderr and "nothing was written" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_answer_that_is_no_address_is_refused_and_nothing_is_written(tmp_path):
+    """The questionnaire writes through the config model, so it holds answers to the same rules as a file read."""
+    answers = list(MULTI_NODE_GPU[0])
+    answers[answers.index("10.0.0.1")] = "'; rm -rf /"
+    with pytest.raises(ConfigError, match="main_process_ip.*host name"):
+        configure(tmp_path, answers)
+    assert not (tmp_path / "config.yaml").exists()

@@ -221,22 +221,29 @@ def test_mpirun_hostfile_runs_every_rank_through_mpirun(tmp_path):
 
 
 def test_the_state_file_lets_a_hook_end_a_launch_whose_launcher_was_killed(tmp_path, monkeypatch):
-    """SIGKILL of our launcher (what an OOM kill or a hard node agent does) leaves torchrun and its workers
-    running; the state file it wrote is what the flow's on_cancellation/on_crashed hook uses to end them."""
+    """SIGKILL of our launcher together with its watchdog (what an OOM kill of the whole cgroup or a hard node
+    agent does) leaves what ignores torchrun's SIGTERM running; the state file it wrote is what the flow's
+    on_cancellation/on_crashed hook uses to end them."""
     from prefect_accelerate.launchers.state import STATE_ENV, end_recorded_launches, launches_dir
 
     state = tmp_path / "state"
     monkeypatch.setenv(STATE_ENV, str(state))
-    cli = subprocess.Popen([*CLI, "--cpu", "--num_processes", "2", *QUIET, WORKER], env=worker_env(tmp_path, "sleep"),
+    cli = subprocess.Popen([*CLI, "--cpu", "--num_processes", "2", *QUIET, WORKER], env=worker_env(tmp_path, "stubborn"),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    pids = wait_for_pids(tmp_path / "pids", 2)
+    pids = wait_for_pids(tmp_path / "pids", 4)
     records = list(launches_dir().glob("*.json"))
     assert len(records) == 1
+    deadline = time.monotonic() + 30
+    while len(json.loads(records[0].read_text())["processes"]) < 5 and time.monotonic() < deadline:
+        time.sleep(0.2)  # torchrun, two workers, two grandchildren: all recorded
+    for child in psutil.Process(cli.pid).children():
+        if "launchers.watchdog" in " ".join(child.cmdline()):
+            child.kill()
     cli.kill()
     cli.wait(timeout=30)
     time.sleep(1)
-    assert all(psutil.pid_exists(pid) for pid in pids)  # orphaned, as measured
-    signalled = end_recorded_launches()
+    assert all(psutil.pid_exists(pid) for pid in pids)  # orphaned: they ignore the SIGTERM torchrun got
+    signalled = end_recorded_launches(grace=2)
     assert signalled and not records[0].exists()
     assert_all_gone(pids, timeout=30)
     assert end_recorded_launches() == []  # idempotent

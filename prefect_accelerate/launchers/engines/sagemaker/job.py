@@ -33,7 +33,7 @@ from prefect_accelerate.secrets import Redactor, is_secret_name
 from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult
 from prefect_accelerate.launchers.engines.sagemaker.plan import SageMakerJobSpec
-from prefect_accelerate.launchers.state import SAGEMAKER_JOBS, new_run_dir, read_records, remove_record, state_dir, write_record
+from prefect_accelerate.launchers.state import SAGEMAKER_JOBS, make_private_dir, new_run_dir, read_records, remove_record, state_dir, write_record
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 #: seconds between status checks (SageMaker's own console refreshes about this often)
@@ -496,8 +496,7 @@ def run_job(
         `error`), 124 at the deadline (the job was stopped). Call `raise_for_failure()` for a LaunchError.
     """
     spec = SageMakerJobSpec.model_validate(plan.request)
-    run_dir = Path(plan.run_dir) if plan.run_dir else new_run_dir("sagemaker")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_private_dir(Path(plan.run_dir) if plan.run_dir else new_run_dir("sagemaker"), "run folder")
     launch_id = run_dir.name
     handle = spec.handle
     secret_env = job_secret_environment(spec)

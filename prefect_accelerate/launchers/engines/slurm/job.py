@@ -443,8 +443,11 @@ def run_job(plan: LaunchPlan, *, on_line: LineCallback | None = None, timeout: f
     """
     from prefect_accelerate.signals import sigterm_as_exception
 
+    from prefect_accelerate.launchers.state import make_private_dir
+
     log_path = Path(plan.run_dir or ".", "launch.log")
-    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if plan.run_dir:
+        make_private_dir(log_path.parent, "run folder")
     log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed below
 
     def output(label: str, line: str) -> None:
