@@ -336,12 +336,13 @@ def test_a_job_deleted_from_outside_ends_the_launch_as_deleted_not_as_a_deadline
 
 
 def test_pods_still_unscheduled_after_the_pending_timeout_delete_the_job_and_exit_2(cluster, tmp_path):
-    plan = _plan(tmp_path, "--kubernetes_pending_timeout", "1")
+    # 5 s: room for the thread that places pod 0 to run first on a loaded machine (else both pods are still pending)
+    plan = _plan(tmp_path, "--kubernetes_pending_timeout", "5")
     name = plan.request["job_name"]
     _background(cluster, name, [(0.0, lambda: (cluster.run_pod(name, 0), cluster.unschedule_pod(
         name, 1, "0/12 nodes are available: 12 Insufficient nvidia.com/gpu.")))])
     started = time.monotonic()
-    with pytest.raises(LaunchError, match=r"1 of the 2 pods .* still not scheduled after 1 s \(node 1: Unschedulable: 0/12 nodes") as caught:
+    with pytest.raises(LaunchError, match=r"1 of the 2 pods .* still not scheduled after 5 s \(node 1: Unschedulable: 0/12 nodes") as caught:
         kjob.run_job(plan, on_line=lambda *a: None, poll_seconds=0.05, timeout=60)
     assert caught.value.exit_code == 2 and time.monotonic() - started < 30
     assert cluster.pod_names(name) == [] and ("default", name) not in cluster.jobs  # pod 0 holds nothing now
