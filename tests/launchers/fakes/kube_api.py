@@ -57,6 +57,8 @@ class FakeKubernetes:
         self.pods: dict[tuple[str, str], dict] = {}
         self.logs: dict[tuple[str, str], list[tuple[dt.datetime, str]]] = {}
         self.requests: list[tuple[str, str, dict[str, list[str]], Any]] = []
+        #: False: pods are created Pending and unplaced, as the scheduler has not seen them yet (run_pod places them)
+        self.schedule_on_create = True
         #: jobs deleted in the foreground whose removal finishes on the next read (as the garbage collector does)
         self._deleting: set[tuple[str, str]] = set()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -100,6 +102,7 @@ class FakeKubernetes:
     def run_pod(self, job: str, index: int, namespace: str = "default") -> None:
         with self.lock:
             pod = self.pod(job, index, namespace)
+            pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "True"}]  # a running pod was placed
             pod["status"].update(phase="Running", startTime=_stamp(_now()),
                                  containerStatuses=self._container_status(pod, {"running": {"startedAt": _stamp(_now())}}, True))
             self._controller(namespace, job)
@@ -193,7 +196,7 @@ class FakeKubernetes:
                              "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": job["metadata"]["uid"],
                                                   "controller": True, "blockOwnerDeletion": True}]},
                 "spec": spec,
-                "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]},
+                "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}] if self.schedule_on_create else []},
             }
         return 201, job
 

@@ -336,9 +336,10 @@ def test_a_job_deleted_from_outside_ends_the_launch_as_deleted_not_as_a_deadline
 
 
 def test_pods_still_unscheduled_after_the_pending_timeout_delete_the_job_and_exit_2(cluster, tmp_path):
-    # 5 s: room for the thread that places pod 0 to run first on a loaded machine (else both pods are still pending)
+    # 5 s: room for the thread that places pod 0 on a loaded machine
     plan = _plan(tmp_path, "--kubernetes_pending_timeout", "5")
     name = plan.request["job_name"]
+    cluster.schedule_on_create = False  # unplaced until the scheduler acts: no poll can see pod 1 placed first
     _background(cluster, name, [(0.0, lambda: (cluster.run_pod(name, 0), cluster.unschedule_pod(
         name, 1, "0/12 nodes are available: 12 Insufficient nvidia.com/gpu.")))])
     started = time.monotonic()
