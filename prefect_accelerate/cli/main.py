@@ -105,6 +105,8 @@ def _skip_teardown() -> None:
     work nobody waits for, after a command whose user already has its result."""
     if _EXIT_CODE:
         with contextlib.suppress(Exception):
+            if "logging" in sys.modules:  # its own exit handler may have been registered before this one
+                sys.modules["logging"].shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(_EXIT_CODE[0])
