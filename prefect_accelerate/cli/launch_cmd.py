@@ -103,10 +103,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _untracked(options, plan):
+def _untracked(options, plan, started=None):
+    """The launch without Prefect; `started`: it is already running (its lines already go to the console)."""
     from prefect_accelerate.launchers.execute import execute
 
-    return execute(plan, on_line=_raw_echo, timeout=options.timeout, grace=options.grace_period)
+    return execute(plan, on_line=_raw_echo, timeout=options.timeout, grace=options.grace_period, started=started)
 
 
 def _starts_here(plan) -> bool:
@@ -138,7 +139,7 @@ def _training_first(options, plan, explicit: bool, quiet: bool):
                 "so nothing was started."
             ) from None
     lines = LineBuffer()
-    handle = start_plan(plan, on_line=lambda label, line: (_raw_echo(label, line), lines(label, line)))
+    handle = start_plan(plan, on_line=lambda label, line: (lines(label, line), _raw_echo(label, line)))  # stamped, then shown
     try:
         from prefect_accelerate.flows.launch import launch_flow  # noqa: F401 - Prefect's import, while the training starts
 
@@ -146,7 +147,7 @@ def _training_first(options, plan, explicit: bool, quiet: bool):
         url = _server_while_training(search, handle, options.timeout)
         if url is None:
             lines.discard()
-            return handle.wait(timeout=options.timeout, grace=options.grace_period)
+            return _untracked(options, plan, started=handle)
         return _adopted_by_flow(url, options, plan, handle, lines, quiet)
     finally:
         handle.stop(options.grace_period)  # an interrupt came before anybody waited: nothing outlives us
@@ -198,7 +199,7 @@ def _adopted_by_flow(url: str, options, plan, handle, lines, quiet: bool):
         lines.discard()
         print(f"warning: Prefect could not record this launch ({type(error).__name__}: {error}); the training goes on "
               "untracked.", file=sys.stderr, flush=True)
-        return handle.wait(timeout=options.timeout, grace=options.grace_period)
+        return _untracked(options, plan, started=handle)
 
 
 def _tracked(args: argparse.Namespace, options, plan, quiet: bool):

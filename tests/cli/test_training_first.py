@@ -67,6 +67,14 @@ for step in range(10):
 """
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def env_for(home: Path, tmp_path: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_ACCELERATE_TRACK")}
     env.update(PREFECT_HOME=str(home), PREFECT_ACCELERATE_STATE_DIR=str(tmp_path / "state"), COLUMNS="200", **extra)
@@ -135,7 +143,8 @@ def test_the_training_prints_before_prefect_is_imported_and_its_early_lines_reac
     assert rank_lines([log.message for log in logs], r"(early|late) \d of rank \d") == expected  # each once, in order
     # printed before Prefect was imported, so before the run existed: logged with the time they were printed
     early = [log for log in logs if " early " in log.message]
-    assert len(early) == 6 and all(log.timestamp.timestamp() < gate["at"] <= run.created.timestamp() for log in early)
+    times = ([log.timestamp.timestamp() for log in early], gate["at"], run.created.timestamp())
+    assert len(early) == 6 and all(log.timestamp.timestamp() < gate["at"] <= run.created.timestamp() for log in early), times
     assert all(log.task_run_id is not None for log in early)  # the launch task's lines, as every other line of the training
 
 
@@ -149,7 +158,9 @@ def fresh_home(tmp_path):
 def test_the_first_call_starts_the_training_at_once_and_attaches_when_the_server_answers(fresh_home, tmp_path):
     script = tmp_path / "until_server.py"
     script.write_text(UNTIL_SERVER)
-    done = subprocess.run([*LAUNCH, str(script), "600"], env=env_for(fresh_home, tmp_path), capture_output=True, text=True, timeout=900)
+    # a port of its own: a port race on the default one would end this first training early and retry it untracked
+    done = subprocess.run([*LAUNCH, "--main_process_port", str(free_port()), str(script), "600"], env=env_for(fresh_home, tmp_path),
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     # the training ran before the server answered, and the run was still recorded
     assert "[rank 0] rank 0 started; server ready: False" in done.stdout, done.stdout[-2000:]
