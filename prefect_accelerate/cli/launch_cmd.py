@@ -162,8 +162,10 @@ def _server_while_training(search, handle, timeout: float | None) -> str | None:
     from prefect_accelerate.localserver import ServerUnavailable
 
     while not search.wait(0.1):
-        if not handle.running() or (timeout and time.monotonic() >= handle.started + timeout):
-            print(f"warning: the training ended before {search.describe()} answered, so this launch is not recorded in "
+        late = bool(timeout) and time.monotonic() >= handle.started + timeout  # type: ignore[operator]
+        if not handle.running() or late:
+            what = "the launch reached its deadline" if late and handle.running() else "the training ended"
+            print(f"warning: {what} before {search.describe()} answered, so this launch is not recorded in "
                   f"Prefect; its output is in {handle.log_path}." + (" The server goes on starting; later commands use it."
                                                                       if search.starts_local_server else ""),
                   file=sys.stderr, flush=True)
