@@ -120,7 +120,7 @@ def _starts_here(plan) -> bool:
 
 def _training_first(options, plan, explicit: bool, quiet: bool):
     """A tracked launch that never waits for Prefect: the training starts at once, its lines reach the console as
-    they come, and Prefect is imported, the server found (or started) and the flow run created meanwhile; the
+    they come, and the server is found (or started), Prefect imported and the flow run created meanwhile; the
     launch task then adopts the running processes, and the lines printed so far go to the run's logs in order.
     With tracking asked for explicitly, the server must answer before anything starts (exit 2 otherwise)."""
     from prefect_accelerate.cli.tracking import ServerSearch, unavailable_paragraph
@@ -141,13 +141,15 @@ def _training_first(options, plan, explicit: bool, quiet: bool):
     lines = LineBuffer()
     handle = start_plan(plan, on_line=lambda label, line: (lines(label, line), _raw_echo(label, line)))  # stamped, then shown
     try:
-        from prefect_accelerate.flows.launch import launch_flow  # noqa: F401 - Prefect's import, while the training starts
-
-        raise_if_stopped()  # a Ctrl-C that the import swallowed
+        # a running server answers within milliseconds; one still starting is waited for first, so that no CPU
+        # goes into importing Prefect for a run that may never be recorded (the training wants that CPU)
         url = _server_while_training(search, handle, options.timeout)
         if url is None:
             lines.discard()
             return _untracked(options, plan, started=handle)
+        from prefect_accelerate.flows.launch import launch_flow  # noqa: F401 - Prefect's import, while the training runs
+
+        raise_if_stopped()  # a Ctrl-C that the import swallowed
         return _adopted_by_flow(url, options, plan, handle, lines, quiet)
     finally:
         handle.stop(options.grace_period)  # an interrupt came before anybody waited: nothing outlives us
