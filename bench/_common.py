@@ -69,7 +69,8 @@ def local_prefect_server():
     home = tempfile.mkdtemp(prefix="bench-prefect-")
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
-    process = subprocess.Popen([str(VENV_BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+    prefect = [str(VENV_BIN / "prefect")] if (VENV_BIN / "prefect").exists() else [sys.executable, "-m", "prefect"]
+    process = subprocess.Popen([*prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                                env=bench_env(PREFECT_HOME=home), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 180

@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from prefect_accelerate.cli.tracking import add_tracking_flags, should_track
+from prefect_accelerate.cli.tracking import TRACK_ENV, add_tracking_flags, should_track, tracking_wanted
 from prefect_accelerate.errors import UsageError
 from prefect_accelerate.launchers.flags import LAUNCH_FLAGS, LaunchFlag
 
@@ -118,7 +118,10 @@ def _run_planned(args: argparse.Namespace, options, plan) -> int:
     for warning in plan.warnings:
         print(warning, file=sys.stderr)
     quiet = bool(getattr(options, "quiet", False))
-    if should_track(args):
+    wanted, explicit = tracking_wanted(args)
+    if wanted and _starts_here(plan):
+        result = _training_first(options, plan, explicit, quiet)
+    elif wanted and should_track(args):
         result = _tracked(args, options, plan, quiet)
     else:
         result = _untracked(options, plan)
@@ -126,10 +129,107 @@ def _run_planned(args: argparse.Namespace, options, plan) -> int:
     return 0
 
 
-def _untracked(options, plan):
+def _untracked(options, plan, started=None):
+    """The launch without Prefect; `started`: it is already running (its lines already go to the console)."""
     from prefect_accelerate.launchers.execute import execute
 
-    return execute(plan, on_line=_raw_echo, timeout=options.timeout, grace=options.grace_period)
+    return execute(plan, on_line=_raw_echo, timeout=options.timeout, grace=options.grace_period, started=started)
+
+
+def _starts_here(plan) -> bool:
+    """Whether the plan runs as local processes (a remote engine submits a job, which its flow run records)."""
+    from prefect_accelerate.launchers.engines import ENGINES
+
+    engine = ENGINES.get(plan.launcher)
+    return engine is None or not engine.remote
+
+
+def _training_first(options, plan, explicit: bool, quiet: bool):
+    """A tracked launch that never waits for Prefect: the training starts at once, its lines reach the console as
+    they come, and the server is found (or started), Prefect imported and the flow run created meanwhile; the
+    launch task then adopts the running processes, and the lines printed so far go to the run's logs in order.
+    With tracking asked for explicitly, the server must answer before anything starts (exit 2 otherwise)."""
+    from prefect_accelerate.cli.tracking import ServerSearch, unavailable_paragraph
+    from prefect_accelerate.launchers.linebuffer import LineBuffer
+    from prefect_accelerate.launchers.process import start_plan
+    from prefect_accelerate.localserver import ServerUnavailable
+    from prefect_accelerate.signals import raise_if_stopped
+
+    search = ServerSearch()
+    if explicit:
+        try:
+            search.result()
+        except ServerUnavailable as why:
+            raise UsageError(
+                f"{unavailable_paragraph(str(why))} Tracking was asked for explicitly (--track or {TRACK_ENV}=always), "
+                "so nothing was started."
+            ) from None
+    lines = LineBuffer()
+    handle = start_plan(plan, on_line=lambda label, line: (lines(label, line), _raw_echo(label, line)))  # stamped, then shown
+    try:
+        # a running server answers within milliseconds; one still starting is waited for first, so that no CPU
+        # goes into importing Prefect for a run that may never be recorded (the training wants that CPU)
+        url = _server_while_training(search, handle, options.timeout)
+        if url is None:
+            lines.discard()
+            return _untracked(options, plan, started=handle)
+        from prefect_accelerate.flows.launch import launch_flow  # noqa: F401 - Prefect's import, while the training runs
+
+        raise_if_stopped()  # a Ctrl-C that the import swallowed
+        return _adopted_by_flow(url, options, plan, handle, lines, quiet)
+    finally:
+        handle.stop(options.grace_period)  # an interrupt came before anybody waited: nothing outlives us
+
+
+def _server_while_training(search, handle, timeout: float | None) -> str | None:
+    """The server's URL once it answers; None (said why) when none will, or the training ended (or passed its
+    deadline) first: then the training goes on untracked, as it started."""
+    import time
+
+    from prefect_accelerate.cli.tracking import unavailable_paragraph
+    from prefect_accelerate.localserver import ServerUnavailable
+
+    while not search.wait(0.1):
+        late = bool(timeout) and time.monotonic() >= handle.started + timeout  # type: ignore[operator]
+        if not handle.running() or late:
+            what = "the launch reached its deadline" if late and handle.running() else "the training ended"
+            print(f"warning: {what} before {search.describe()} answered, so this launch is not recorded in "
+                  f"Prefect; its output is in {handle.log_path}." + (" The server goes on starting; later commands use it."
+                                                                      if search.starts_local_server else ""),
+                  file=sys.stderr, flush=True)
+            return None
+    try:
+        return search.result()
+    except ServerUnavailable as why:
+        print(f"warning: {unavailable_paragraph(str(why))} Running untracked this time.", file=sys.stderr, flush=True)
+        return None
+
+
+def _adopted_by_flow(url: str, options, plan, handle, lines, quiet: bool):
+    """The launch flow run, whose launch task takes the running training over (tasks/launch.py `taking_over`)."""
+    from prefect_accelerate.cli.tracking import bounded_bookkeeping, surviving_server_loss, _use
+    from prefect_accelerate.errors import PrefectAccelerateError
+    from prefect_accelerate.flows.launch import launch_flow
+    from prefect_accelerate.tasks.launch import LAST_OUTCOME, taking_over
+
+    _use(url)
+    LAST_OUTCOME.clear()
+    try:
+        with surviving_server_loss(LAST_OUTCOME, quiet=quiet), taking_over(handle, lines), bounded_bookkeeping():
+            return launch_flow(options=options, plan=plan)
+    except PrefectAccelerateError:
+        raise
+    except Exception as error:  # Prefect's bookkeeping failed (its server went away), not the training
+        result = LAST_OUTCOME.get("result")
+        if result is not None:
+            print(f"warning: the training ended, but Prefect could not record it ({type(error).__name__}: {error}).", file=sys.stderr)
+            return result
+        if LAST_OUTCOME.get("started"):
+            raise
+        lines.discard()
+        print(f"warning: Prefect could not record this launch ({type(error).__name__}: {error}); the training goes on "
+              "untracked.", file=sys.stderr, flush=True)
+        return _untracked(options, plan, started=handle)
 
 
 def _tracked(args: argparse.Namespace, options, plan, quiet: bool):

@@ -7,6 +7,7 @@ its parser. Nothing here imports torch or prefect, so `--help` stays fast (bench
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import importlib
 import os
@@ -98,7 +99,28 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entrypoint() -> None:
-    sys.exit(main())
+    atexit.register(_skip_teardown)  # registered first, so it runs after every other exit handler
+    code = main()
+    if "prefect" in sys.modules:
+        _EXIT_CODE.append(code)
+    sys.exit(code)
+
+
+#: the exit code of a command that imported Prefect, for `_skip_teardown`
+_EXIT_CODE: list[int] = []
+
+
+def _skip_teardown() -> None:
+    """After the last exit handler (Prefect's log and event drains included, which run before any of these), end
+    the process with its exit code, skipping the interpreter's teardown of Prefect's modules: 0.5-1 s of
+    work nobody waits for, after a command whose user already has its result."""
+    if _EXIT_CODE:
+        with contextlib.suppress(Exception):
+            if "logging" in sys.modules:  # its own exit handler may have been registered before this one
+                sys.modules["logging"].shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(_EXIT_CODE[0])
 
 
 if __name__ == "__main__":

@@ -98,31 +98,84 @@ def connect() -> str:
     Raises:
         ServerUnavailable: nothing answered in time.
     """
+    url = ServerSearch().result()
+    _use(url)
+    return url
+
+
+class ServerSearch:
+    """Finding (or starting) the Prefect server this command reports to, in a thread of its own, so that a
+    launch can start its training meanwhile (cli/launch_cmd.py). Settings are read here, before anything
+    starts, so a bad one is an error before the training; `result()` gives the API URL once it answers.
+    The URL is not put into effect here (that is `_use`, in the thread that runs the flow)."""
+
+    def __init__(self) -> None:
+        from prefect_accelerate import localserver
+
+        self._url = _configured_url()
+        self._mode = localserver.server_mode()
+        localserver.startup_timeout(), localserver.idle_seconds()  # a bad setting fails now, before anything starts
+        self._done = threading.Event()
+        self._answer: str | BaseException | None = None
+        threading.Thread(target=self._search, name="prefect-server-search", daemon=True).start()
+
+    def _search(self) -> None:
+        try:
+            self._answer = _locate(self._url, self._mode)
+        except BaseException as error:  # noqa: BLE001 - handed to whoever asks for the result
+            self._answer = error
+        finally:
+            self._done.set()
+
+    @property
+    def starts_local_server(self) -> bool:
+        """Whether the server searched for is the long-lived local one (which outlives this command)."""
+        return not self._url and self._mode == "local"
+
+    def describe(self) -> str:
+        if self._url:
+            return f"the Prefect server at PREFECT_API_URL={self._url}"
+        return "the local Prefect server" if self._mode == "local" else "this command's own Prefect server"
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the search is over (a server answers, or none will), after waiting up to `timeout` seconds."""
+        return self._done.wait(timeout)
+
+    def result(self) -> str:
+        """The API URL of a server that answers; waits for the search to end.
+
+        Raises:
+            ServerUnavailable: nothing answered in time.
+        """
+        self._done.wait()
+        if isinstance(self._answer, BaseException):
+            raise self._answer
+        assert self._answer is not None
+        return self._answer
+
+
+def _locate(url: str | None, mode: str) -> str:
     from prefect_accelerate import localserver
 
-    url = _configured_url()
     if url:
         if not localserver.reachable(url):
             raise localserver.ServerUnavailable(f"the Prefect server at PREFECT_API_URL={url} does not answer")
         return url
-    if localserver.server_mode() == "ephemeral":
+    if mode == "ephemeral":
         from prefect_accelerate.localserver.ephemeral import start_ephemeral
 
-        url = start_ephemeral()
-    else:
-        record, started = localserver.ensure_server()
-        url = record.url
-        if started:
-            idle = record.idle_seconds / 60
-            print(
-                f"[prefect-accelerate] Started a local Prefect server for {localserver.prefect_home()} at {record.ui_url} "
-                f"(UI and API; log: {localserver.files_dir(localserver.prefect_home()) / 'server.log'}). Later commands reuse it; "
-                + (f"it stops after {idle:g} minutes unused, " if idle > 0 else "")
-                + "`prefect-accelerate server stop` stops it now.",
-                file=sys.stderr, flush=True,
-            )
-    _use(url)
-    return url
+        return start_ephemeral()
+    record, started = localserver.ensure_server()
+    if started:
+        idle = record.idle_seconds / 60
+        print(
+            f"[prefect-accelerate] Started a local Prefect server for {localserver.prefect_home()} at {record.ui_url} "
+            f"(UI and API; log: {localserver.files_dir(localserver.prefect_home()) / 'server.log'}). Later commands reuse it; "
+            + (f"it stops after {idle:g} minutes unused, " if idle > 0 else "")
+            + "`prefect-accelerate server stop` stops it now.",
+            file=sys.stderr, flush=True,
+        )
+    return record.url
 
 
 def _configured_url() -> str | None:
@@ -155,6 +208,45 @@ def _use(url: str) -> None:
     replace_global = getattr(prefect.context, "_temporary_global_settings_context", None)
     if replace_global is not None:  # threads Prefect starts later read the process-global context
         _SETTINGS.enter_context(replace_global(prefect.context.get_settings_context()))
+
+
+#: seconds the last logs and events of a tracked launch get to reach the server once the training has ended
+FLUSH_SECONDS = 5.0
+
+
+@contextlib.contextmanager
+def bounded_bookkeeping(flush_seconds: float = FLUSH_SECONDS) -> Iterator[None]:
+    """Around a flow run whose end the user waits for: nothing after the training waits on Prefect's bookkeeping
+    for longer than it must. The flow-run heartbeat thread is not joined (it sleeps in one-second steps and
+    stops by itself at the next; Prefect's async engine does not join it either), and the run's last logs and
+    events get at most `flush_seconds` to reach the server before the command goes on to exit."""
+    import inspect
+
+    import prefect.flow_engine as flow_engine
+
+    original = getattr(flow_engine, "_send_heartbeats", None)
+    patched = original is not None and "join_on_exit" in inspect.signature(original).parameters
+    if patched:
+        flow_engine._send_heartbeats = lambda engine, join_on_exit=False: original(engine, join_on_exit=False)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if patched:
+            flow_engine._send_heartbeats = original  # type: ignore[assignment]
+        _flush(flush_seconds)
+
+
+def _flush(seconds: float) -> None:
+    """Send what Prefect still queues (run logs, then events such as task-run states), for at most `seconds`."""
+    import time
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    deadline = time.monotonic() + seconds
+    for worker in (APILogWorker, EventsWorker):
+        with contextlib.suppress(Exception):
+            worker.drain_all(timeout=max(deadline - time.monotonic(), 0.0))
 
 
 #: seconds between health checks of the server while a tracked launch runs

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
 import secrets
 import signal
@@ -28,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from prefect_accelerate.errors import LaunchError
 from prefect_accelerate.signals import sigterm_as_exception
@@ -195,6 +197,72 @@ def run_plan(
         The LaunchResult (also for failures; call `raise_for_failure()`). Interrupts (Ctrl-C, SIGTERM,
         Prefect cancellation) stop the tree and are re-raised.
     """
+    return start_plan(plan, on_line=on_line, flow_run_id=flow_run_id, task_run_id=task_run_id).wait(timeout=timeout, grace=grace)
+
+
+@dataclasses.dataclass(eq=False)
+class LaunchHandle:
+    """A launch whose process tree is already running and whose output is already read (`start_plan`).
+
+    `wait()` supervises it to the end (deadline, interrupts, the sweep of descendants) and returns its
+    LaunchResult; call it in the main thread, where Ctrl-C, SIGTERM and Prefect's cancellation arrive.
+    `stop()` ends it when nobody will wait (an interrupt came first). A Prefect run that takes the launch
+    over records its ids with `record_run`, so the flow's on_cancellation/on_crashed hooks find it.
+    """
+
+    plan: LaunchPlan
+    process: subprocess.Popen
+    tracker: _Tracker
+    run_dir: Path
+    log_path: Path
+    redact: Redactor
+    first_rank: int
+    tail: deque[str]
+    command: str
+    started: float
+    launch_id: str
+    state: dict
+    stopping: threading.Event
+    reader: threading.Thread
+    #: what every output line went to (a retry on another port sends its lines there too)
+    on_line: LineCallback | None
+    #: ends the launch if this supervisor is killed -9; released when the launch is over (watchdog.py)
+    watchdog: Any
+    #: torchrun's per-rank log folder, when the plan has one
+    log_dir: Path | None
+    finished: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def record_run(self, flow_run_id: str | None, task_run_id: str | None) -> None:
+        """Name the Prefect flow and task run that own this launch in its state file (launchers/state.py)."""
+        self.state.update(flow_run_id=flow_run_id, task_run_id=task_run_id)
+        if not self.finished:
+            write_state(self.launch_id, {**self.state, "processes": self.tracker.as_records()})
+
+    def wait(self, timeout: float | None = None, grace: float = GRACE_SECONDS) -> LaunchResult:
+        """Supervise to the end; `timeout` counts from the start of the launch, not from this call."""
+        return _supervise(self, timeout, grace)
+
+    def stop(self, grace: float = GRACE_SECONDS) -> None:
+        """End the whole tree now and clean up (idempotent); `wait()` is not called afterwards."""
+        if not self.finished:
+            _finish(self, grace)
+
+
+def start_plan(
+    plan: LaunchPlan,
+    *,
+    on_line: LineCallback | None = None,
+    flow_run_id: str | None = None,
+    task_run_id: str | None = None,
+) -> LaunchHandle:
+    """Start the plan's command and the reading of its output; return at once (see LaunchHandle)."""
     become_subreaper()  # before anything starts: orphans of the launch are re-parented to us, not to PID 1
     run_dir = make_private_dir(Path(plan.run_dir) if plan.run_dir else new_run_dir(), "run folder")
     for name, content in plan.files.items():
@@ -260,11 +328,19 @@ def run_plan(
 
     reader = threading.Thread(target=contextvars.copy_context().run, args=(read_output,), name="launch-output", daemon=True)
     reader.start()
+    return LaunchHandle(plan=plan, process=process, tracker=tracker, run_dir=run_dir, log_path=log_path, redact=redact,
+                        first_rank=first_rank, tail=tail, command=command, started=started,
+                        launch_id=launch_id, state=state, stopping=stopping, reader=reader, on_line=on_line,
+                        watchdog=watchdog, log_dir=log_dir)
+
+
+def _supervise(handle: LaunchHandle, timeout: float | None, grace: float) -> LaunchResult:
+    process, tracker, launch_id, state, started = handle.process, handle.tracker, handle.launch_id, handle.state, handle.started
     timed_out = False
     try:
         with sigterm_as_exception():
             deadline = None if not timeout else started + timeout
-            while process.poll() is None:
+            while process.poll() is None and not handle.finished:
                 if tracker.refresh():
                     write_state(launch_id, {**state, "processes": tracker.as_records()})
                 tracker.reap()
@@ -273,22 +349,35 @@ def run_plan(
                     break
                 time.sleep(POLL_SECONDS)
     finally:
-        # every path: normal exit (reap stragglers), deadline, error, Ctrl-C, SIGTERM, cancellation
-        if process.poll() is None:
-            stopping.set()
-        terminate_tree(process, tracker, grace)
-        reader.join(timeout=10)
-        # rank logs were redacted as written (ranklogs.py); torchrun's error files, and rank logs of a torchrun
-        # without our LogsSpecs, are redacted here (issue 17)
-        seal_folder(run_dir, redact)
-        if log_dir is not None and run_dir not in log_dir.parents and log_dir != run_dir:
-            seal_folder(log_dir, redact)
-        remove_state(launch_id)
-        watchdog.release()
+        if not handle.finished:
+            _finish(handle, grace)
+    return _result(handle, timed_out)
 
-    duration = time.monotonic() - started
+
+def _finish(handle: LaunchHandle, grace: float) -> None:
+    """Every path: normal exit (reap stragglers), deadline, error, Ctrl-C, SIGTERM, cancellation."""
+    plan, process, run_dir, redact = handle.plan, handle.process, handle.run_dir, handle.redact
+    handle.finished = True
+    if process.poll() is None:
+        handle.stopping.set()
+    terminate_tree(process, handle.tracker, grace)
+    handle.reader.join(timeout=10)
+    # rank logs were redacted as written (ranklogs.py); torchrun's error files, and rank logs of a torchrun
+    # without our LogsSpecs, are redacted here (issue 17)
+    log_dir = handle.log_dir
+    seal_folder(run_dir, redact)
+    if log_dir is not None and run_dir not in log_dir.parents and log_dir != run_dir:
+        seal_folder(log_dir, redact)
+    remove_state(handle.launch_id)
+    handle.watchdog.release()
+
+
+def _result(handle: LaunchHandle, timed_out: bool) -> LaunchResult:
+    plan, process, run_dir, stopping, first_rank = handle.plan, handle.process, handle.run_dir, handle.stopping, handle.first_rank
+    log_dir = _log_dir(plan)
+    duration = time.monotonic() - handle.started
     code = process.returncode if process.returncode is not None else -9
-    lines = list(tail)
+    lines = list(handle.tail)
     failures, root_rank = parse_rank_failures(lines) if code != 0 else ([], None)
     message, error_code = read_error_file(run_dir / "error.json") if code != 0 else (None, None)
     if stopping.is_set() and message and message.startswith("SignalException"):
@@ -310,9 +399,9 @@ def run_plan(
     if timed_out:
         worker_code = TIMEOUT_EXIT_CODE
     return LaunchResult(
-        launcher=plan.launcher, command=command, exit_code=worker_code, launcher_exit_code=code,
+        launcher=plan.launcher, command=handle.command, exit_code=worker_code, launcher_exit_code=code,
         failed_ranks=failures, root_cause_rank=root_rank, error=message, duration_s=round(duration, 3), run_dir=str(run_dir),
-        log_path=str(log_path), tail=lines[-40:], timed_out=timed_out,
+        log_path=str(handle.log_path), tail=lines[-40:], timed_out=timed_out,
     )
 
 

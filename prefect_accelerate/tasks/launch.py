@@ -2,11 +2,19 @@
 
 Call it from the flow's main thread (never `.submit()`): Prefect delivers cancellation there, and the
 process supervisor needs it to stop the training processes (DESIGN.md §4). Never cached, no retries.
+
+A launch the CLI started before this run existed (`taking_over`) is adopted rather than started again: the
+task records its run ids in the launch's state file (so the flow's hooks can end it), ships the lines printed
+so far to the run's logs in order, with their rank labels and the times they were printed, and supervises
+it to the end from here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+from collections.abc import Iterator
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
@@ -18,7 +26,8 @@ from prefect_accelerate.launchers import plan_launch
 from prefect_accelerate.launchers.options import LaunchOptions
 from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.launchers.execute import execute
-from prefect_accelerate.launchers.process import GRACE_SECONDS
+from prefect_accelerate.launchers.linebuffer import LineBuffer, TimedLineCallback
+from prefect_accelerate.launchers.process import GRACE_SECONDS, LaunchHandle
 from prefect_accelerate.launchers.result import LaunchResult
 
 RESULT_ARTIFACT_KEY = "launch-result"
@@ -27,6 +36,53 @@ RESULT_ARTIFACT_KEY = "launch-result"
 #: ("started", then "result": the LaunchResult, or "interrupted": 130 / 143); the training's outcome must not
 #: depend on the server
 LAST_OUTCOME: dict[str, object] = {}
+
+#: launches started before their Prefect run existed, each waiting for the launch task of its plan
+_STARTED_EARLY: list[tuple[LaunchHandle, LineBuffer]] = []
+
+
+@contextlib.contextmanager
+def taking_over(handle: LaunchHandle, lines: LineBuffer) -> Iterator[None]:
+    """While inside, the launch task of `handle.plan` adopts `handle` instead of starting the plan; `lines` holds
+    the output printed so far (the console has it already) and is attached to the run's logs."""
+    entry = (handle, lines)
+    _STARTED_EARLY.append(entry)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            _STARTED_EARLY.remove(entry)
+
+
+def _started_early(plan: LaunchPlan) -> tuple[LaunchHandle, LineBuffer] | None:
+    for entry in _STARTED_EARLY:
+        if entry[0].plan == plan:
+            _STARTED_EARLY.remove(entry)
+            return entry
+    return None
+
+
+def _to_run_logs(logger: logging.LoggerAdapter) -> TimedLineCallback:
+    """Lines to this run's logs in Prefect only, each with the time it was printed: the console printed them
+    when they came. (The run logger would print them again, through the console handler Prefect adds.)"""
+    from prefect.logging.handlers import APILogHandler
+
+    base = logger.logger
+    handlers = []
+    current: logging.Logger | None = base
+    while current is not None:  # the API handlers a record of `base` reaches, as Logger.callHandlers walks them
+        handlers += [h for h in current.handlers if isinstance(h, APILogHandler)]
+        current = current.parent if current.propagate else None
+
+    def ship(created: float, label: str, line: str) -> None:
+        _, kwargs = logger.process("", {})
+        record = base.makeRecord(base.name, logging.INFO, __file__, 0, "[%s] %s", (label, line), None, extra=kwargs.get("extra"))
+        record.created, record.msecs = created, (created - int(created)) * 1000
+        for handler in handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+    return ship
 
 
 def _launch_run_name() -> str:
@@ -123,7 +179,11 @@ def launch(
         logger.info(note)
     for warning in plan.warnings:
         logger.warning(warning)
-    logger.info("Launching: %s", plan.command_line())
+    early = _started_early(plan)
+    if early is not None:
+        logger.info("Launching: %s (started before this run existed; its first lines are logged with the times they were printed)", plan.command_line())
+    else:
+        logger.info("Launching: %s", plan.command_line())
     env = plan.redacted_env()
     if env:
         logger.info("Environment added for the launch: %s", " ".join(f"{k}={v}" for k, v in sorted(env.items())))
@@ -133,6 +193,8 @@ def launch(
 
     LAST_OUTCOME.clear()
     LAST_OUTCOME["started"] = True
+    if early is not None:
+        early[1].attach(_to_run_logs(logger))
     try:
         result = execute(
             plan,
@@ -141,6 +203,7 @@ def launch(
             grace=grace_period if grace_period is not None else (options.grace_period if options is not None else GRACE_SECONDS),
             flow_run_id=str(flow_run.id) if flow_run.id else None,
             task_run_id=str(task_run.id) if task_run.id else None,
+            started=early[0] if early is not None else None,
         )
     except KeyboardInterrupt:
         LAST_OUTCOME["interrupted"] = 130

@@ -139,3 +139,37 @@ def test_check_runs_tracked_and_untracked_and_can_refuse_to_create(hf_home, capf
     captured = capfd.readouterr()
     assert "PyTorch version" in captured.out and "Writing" not in captured.out and "No Accelerate config" not in captured.err
     assert _completed("check-environment") == before + 1
+
+
+def test_a_tracked_launch_does_not_wait_for_the_heartbeat_thread_at_its_end():
+    """Prefect joins its flow-run heartbeat thread, which sleeps in one-second steps, when a run ends; inside
+    `bounded_bookkeeping` the run ends without that wait, and Prefect's own behaviour is back afterwards."""
+    import logging
+    import threading
+    import time
+
+    import prefect.flow_engine as flow_engine
+
+    from prefect_accelerate.cli.tracking import bounded_bookkeeping
+
+    emitted = threading.Event()
+
+    class Engine:  # what _send_heartbeats reads from the flow-run engine
+        heartbeat_seconds = 30
+        flow_run = None
+        logger = logging.getLogger("test-heartbeat")
+
+        def _build_heartbeat_event_template(self):
+            return {}, []
+
+        def _emit_flow_run_heartbeat(self, resource, related):  # noqa: ARG002
+            emitted.set()
+
+    original = flow_engine._send_heartbeats
+    with bounded_bookkeeping(flush_seconds=0):
+        with flow_engine._send_heartbeats(Engine()):
+            assert emitted.wait(30)  # the thread sent its first heartbeat and now sleeps its first second
+            ending = time.monotonic()
+        took = time.monotonic() - ending
+    assert took < 0.5, f"the run's end waited {took:.2f} s for the heartbeat thread"
+    assert flow_engine._send_heartbeats is original
