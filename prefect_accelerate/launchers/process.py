@@ -35,7 +35,7 @@ from prefect_accelerate.errors import LaunchError
 from prefect_accelerate.signals import sigterm_as_exception
 from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.secrets import SECRET_NAMES_ENV, Redactor
-from prefect_accelerate.launchers.reaper import LAUNCH_ID_ENV, become_subreaper, parent_death_hook
+from prefect_accelerate.launchers.reaper import LAUNCH_ID_ENV, become_subreaper, parent_death_hook, release_subreaper
 from prefect_accelerate.launchers.sealing import seal_folder
 from prefect_accelerate.launchers.watchdog import Watchdog
 from prefect_accelerate.launchers.result import (
@@ -230,6 +230,8 @@ class LaunchHandle:
     watchdog: Any
     #: torchrun's per-rank log folder, when the plan has one
     log_dir: Path | None
+    #: whether this launch holds the child-subreaper attribute (reaper.py), given back when it is over
+    subreaper: bool = False
     finished: bool = False
 
     @property
@@ -263,7 +265,6 @@ def start_plan(
     task_run_id: str | None = None,
 ) -> LaunchHandle:
     """Start the plan's command and the reading of its output; return at once (see LaunchHandle)."""
-    become_subreaper()  # before anything starts: orphans of the launch are re-parented to us, not to PID 1
     run_dir = make_private_dir(Path(plan.run_dir) if plan.run_dir else new_run_dir(), "run folder")
     for name, content in plan.files.items():
         target = Path(name) if os.path.isabs(name) else run_dir / name
@@ -283,21 +284,26 @@ def start_plan(
     _clear_stale_launches()
     env = _launch_env(plan, env, launch_id)
     watchdog = _start_watchdog(launch_id, run_dir, log_dir, env)
+    # before anything starts: orphans of the launch are re-parented to us, not to PID 1 (held until _finish)
+    subreaper = become_subreaper()
     started = time.monotonic()
     try:
         process = subprocess.Popen(
             _redacting_rank_logs(list(plan.argv)), cwd=plan.cwd, env=env, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=parent_death_hook(),
         )
-    except FileNotFoundError as error:
+    except BaseException as error:
         watchdog.release()
-        raise LaunchError(
-            f"Could not start {plan.argv[0]!r}: {error.strerror}. With --no_python the script must be an executable "
-            f"file; otherwise check that the interpreter exists. Working directory: {plan.cwd}."
-        ) from None
-    except PermissionError:
-        watchdog.release()
-        raise LaunchError(f"{plan.argv[0]!r} is not executable. Make it executable (chmod +x) or drop --no_python.") from None
+        if subreaper:
+            release_subreaper()
+        if isinstance(error, FileNotFoundError):
+            raise LaunchError(
+                f"Could not start {plan.argv[0]!r}: {error.strerror}. With --no_python the script must be an executable "
+                f"file; otherwise check that the interpreter exists. Working directory: {plan.cwd}."
+            ) from None
+        if isinstance(error, PermissionError):
+            raise LaunchError(f"{plan.argv[0]!r} is not executable. Make it executable (chmod +x) or drop --no_python.") from None
+        raise
 
     tracker = _Tracker(process.pid, launch_id)
     state = {"pid": process.pid, "pgid": process.pid, "flow_run_id": flow_run_id, "task_run_id": task_run_id,
@@ -331,7 +337,7 @@ def start_plan(
     return LaunchHandle(plan=plan, process=process, tracker=tracker, run_dir=run_dir, log_path=log_path, redact=redact,
                         first_rank=first_rank, tail=tail, command=command, started=started,
                         launch_id=launch_id, state=state, stopping=stopping, reader=reader, on_line=on_line,
-                        watchdog=watchdog, log_dir=log_dir)
+                        watchdog=watchdog, log_dir=log_dir, subreaper=subreaper)
 
 
 def _supervise(handle: LaunchHandle, timeout: float | None, grace: float) -> LaunchResult:
@@ -370,6 +376,9 @@ def _finish(handle: LaunchHandle, grace: float) -> None:
         seal_folder(log_dir, redact)
     remove_state(handle.launch_id)
     handle.watchdog.release()
+    if handle.subreaper:
+        handle.subreaper = False
+        release_subreaper()
 
 
 def _result(handle: LaunchHandle, timed_out: bool) -> LaunchResult:

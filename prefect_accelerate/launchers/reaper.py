@@ -30,7 +30,12 @@ LAUNCH_ID_ENV = "PREFECT_ACCELERATE_LAUNCH_ID"
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-_subreaper: bool | None = None
+_PR_GET_CHILD_SUBREAPER = 37
+_subreaper_lock = threading.Lock()
+#: launches of this process holding the subreaper attribute now
+_subreaper_holders = 0
+#: whether we turned the attribute on (so the last launch turns it off)
+_subreaper_ours = False
 
 
 _libc_prctl = None
@@ -55,15 +60,46 @@ def _prctl(option: int, value: int, function=None) -> bool:
 
 
 def become_subreaper() -> bool:
-    """Make this process a child subreaper (once; the attribute lasts for the process's life). True when in force.
+    """Hold the child-subreaper attribute for one launch; True when it is in force. Pair with `release_subreaper`.
 
-    It applies to the whole process: an orphan of anything this process started is adopted by it. Launches
-    reap only the adopted orphans they own (`reap_adopted`), so other callers' children are left alone.
+    It applies to the whole process: an orphan of anything this process starts meanwhile is adopted by it.
+    Launches reap only the adopted orphans they own (`reap_adopted`), so other callers' children are left alone;
+    and the attribute is held only while a launch runs (the last one to end turns it off again, unless it was on
+    before we came), so a long-lived process (a notebook, a worker, a test session) does not collect the
+    orphans, and then the zombies, of everything else it runs.
     """
-    global _subreaper
-    if _subreaper is None:
-        _subreaper = _prctl(_PR_SET_CHILD_SUBREAPER, 1)
-    return _subreaper
+    global _subreaper_holders, _subreaper_ours
+    with _subreaper_lock:
+        if _subreaper_holders == 0:
+            already = _subreaper_in_force()
+            _subreaper_ours = not already and _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+            if not (already or _subreaper_ours):
+                return False
+        _subreaper_holders += 1
+        return True
+
+
+def release_subreaper() -> None:
+    """One launch that held the attribute (`become_subreaper` answered True) is over."""
+    global _subreaper_holders, _subreaper_ours
+    with _subreaper_lock:
+        if _subreaper_holders == 0:
+            return
+        _subreaper_holders -= 1
+        if _subreaper_holders == 0 and _subreaper_ours:
+            _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+            _subreaper_ours = False
+
+
+def _subreaper_in_force() -> bool:
+    """Whether this process already is a child subreaper (set by whoever started us, or by its own code)."""
+    function = _prctl_function()
+    if function is None:
+        return False
+    import ctypes
+
+    flag = ctypes.c_int(0)
+    return function(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and flag.value != 0
 
 
 def die_with_parent(parent: int, prctl) -> None:

@@ -181,7 +181,8 @@ def alive_matching(processes: Iterable[dict[str, Any]]):
     for entry in processes:
         try:
             proc = psutil.Process(int(entry["pid"]))
-            if abs(proc.create_time() - float(entry["create_time"])) < 0.05:
+            # a zombie has ended (only its exit status waits for its parent): nothing to signal or wait for
+            if abs(proc.create_time() - float(entry["create_time"])) < 0.05 and proc.status() != psutil.STATUS_ZOMBIE:
                 alive.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
             continue

@@ -239,9 +239,16 @@ def test_adopted_orphans_of_other_callers_are_left_alone(tmp_path):
     """The subreaper adopts every orphan below this process; a launch stops only those carrying its own id."""
     from prefect_accelerate.launchers.process import run_plan
     from prefect_accelerate.launchers.plan import LaunchPlan
-    from prefect_accelerate.launchers.reaper import become_subreaper
+    from prefect_accelerate.launchers.reaper import become_subreaper, release_subreaper
 
-    assert become_subreaper()
+    assert become_subreaper()  # held across the other caller's detach and the launch, as in a launch's window
+    try:
+        _orphans_of_others_are_left_alone(tmp_path, run_plan, LaunchPlan)
+    finally:
+        release_subreaper()
+
+
+def _orphans_of_others_are_left_alone(tmp_path, run_plan, LaunchPlan):
     pid_file = tmp_path / "other.pid"
     subprocess.run(["setsid", "-f", sys.executable, "-c", "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); "
                     "time.sleep(600)", str(pid_file)], check=True, env={k: v for k, v in os.environ.items() if k != LAUNCH_ID_ENV})
@@ -280,9 +287,12 @@ def test_adopted_helpers_that_end_are_reaped_not_left_as_zombies(tmp_path):
         "time.sleep(3)\n"
     )
     plan = LaunchPlan(launcher="simple", argv=(sys.executable, str(script)), cwd=str(tmp_path), run_dir=str(tmp_path / "run"))
+    def zombies() -> set[int]:
+        return {p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE}
+
+    before = zombies()  # other.pid, and whatever earlier tests of this session left for their own Popens
     assert run_plan(plan).succeeded
-    zombies = [p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
-    assert zombies == [other.pid]
+    assert zombies() == before and other.pid in before
     assert other.wait(timeout=10) == 0  # its exit status was not taken by the launch's reaping
 
 
@@ -303,3 +313,19 @@ def test_the_launcher_gets_sigterm_as_soon_as_its_supervisor_dies():
     driver.kill()
     driver.wait()
     assert_all_gone([child], timeout=10)
+
+
+def test_the_subreaper_attribute_is_held_only_while_a_launch_runs(tmp_path):
+    """A long-lived process (a notebook, a worker, this test session) is a subreaper only during its launches, so it
+    does not adopt, and then keep as zombies, the orphans of everything else it runs."""
+    from prefect_accelerate.launchers.plan import LaunchPlan
+    from prefect_accelerate.launchers.process import start_plan
+    from prefect_accelerate.launchers.reaper import _subreaper_in_force
+
+    assert not _subreaper_in_force()
+    plan = LaunchPlan(launcher="simple", argv=(sys.executable, "-c", "import time; time.sleep(1)"), cwd=str(tmp_path),
+                      run_dir=str(tmp_path / "run"))
+    handle = start_plan(plan)
+    assert _subreaper_in_force()
+    assert handle.wait().succeeded
+    assert not _subreaper_in_force()
