@@ -86,7 +86,14 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
                                        attn_implementation=build_attention)
     activations = trace_activations(to_fake(model), library=source.library, batch_size=options.batch_size,
                                     seq_len=options.seq_len, precision_mode=mode, full_depth=depth, force_flash=force_flash,
-                                    device_type=options.device_type)
+                                    device_type=options.device_type, capability=_capability(options))
     if force_flash:
         activations = activations.model_copy(update={"attention_implementation": "flash_attention_2"})
     return profile.model_copy(update={"activations": activations})
+
+
+def _capability(options: EstimateOptions) -> tuple[int, int] | None:
+    if options.cuda_capability is None:
+        return None
+    major, minor = options.cuda_capability.split(".")
+    return int(major), int(minor)

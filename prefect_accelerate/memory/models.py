@@ -61,6 +61,10 @@ class EstimateOptions(_Frozen):
         None, description="transformers attention to model: eager, sdpa or flash_attention_2 (None: the config's, else transformers' pick)")
     device_type: Literal["cuda", "cpu"] = Field(
         "cuda", description="where training runs: CUDA's attention and dropout kernels, or CPU's own (for checks on CPU)")
+    cuda_capability: str | None = Field(
+        None, pattern=r"^\d+\.\d+$",
+        description="compute capability of the target GPU for the attention kernel rules, e.g. 9.0 (H100/H200), 8.0 "
+                    "(A100), 8.9 (L4); None: this machine's GPU, else 9.0")
 
 
 class ModelSource(_Frozen):
@@ -134,7 +138,11 @@ class ActivationProfile(_Frozen):
     cache_bytes: int = Field(0, description="a KV cache the model's output holds (transformers' DynamicCache); the loop keeps it through the step")
     cache_unsaved_bytes: int = Field(0, description="the part of that cache that is not also saved for backward (alive from forward on)")
     attention_implementation: str | None = Field(None, description="transformers' attention implementation the trace ran")
-    attention_kernels: list[str] = Field(default_factory=list, description="CUDA SDPA kernels stood in for: flash, efficient, math")
+    attention_kernels: list[str] = Field(default_factory=list, description="CUDA SDPA kernels stood in for: flash, efficient, cudnn, math")
+    attention_backward_bytes: int = Field(0, description="the largest temporary one attention backward allocates beyond the "
+                                                         "q/k/v gradients (memory-efficient's gradient of a mask that requires grad)")
+    attention_detail: str = Field("", description="why those kernels: torch release and compute capability whose rules "
+                                                  "applied, backends refused and the first rule each failed")
     note: str = ""
 
 

@@ -330,6 +330,10 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
         formula += f", scaled x{scale:g} to batch {options.batch_size}"
     backward = 2 * acts.largest_tensor_bytes * scale
     backward_formula = "2 x the largest activation (its gradient and the next one)"
+    if acts.attention_backward_bytes:
+        backward += acts.attention_backward_bytes * scale
+        backward_formula += (f" + the attention mask's gradient that memory-efficient backward materializes "
+                             f"({human_bytes(acts.attention_backward_bytes * scale)})")
     if keeps_casts and acts.autocast_weight_copy_bytes:
         backward += acts.autocast_weight_copy_bytes
         backward_formula += f" + autocast's 16-bit weight copies kept for backward ({human_bytes(acts.autocast_weight_copy_bytes)})"

@@ -8,12 +8,12 @@ from prefect_accelerate.memory import EstimateOptions, estimate
 from prefect_accelerate.memory.attention import cuda_sdpa_kernel
 
 
-def _qk(dtype: str, heads: int = 8, kv_heads: int = 8, head_dim: int = 64):
+def _qkv(dtype: str, heads: int = 8, kv_heads: int = 8, head_dim: int = 64):
     import torch
 
     q = torch.empty(1, heads, 4, head_dim, dtype=getattr(torch, dtype), device="meta")
     k = torch.empty(1, kv_heads, 4, head_dim, dtype=getattr(torch, dtype), device="meta")
-    return q, k
+    return q, k, k.clone()
 
 
 @pytest.mark.parametrize(("dtype", "kv_heads", "mask", "gqa", "head_dim", "kernel"), [
@@ -21,18 +21,24 @@ def _qk(dtype: str, heads: int = 8, kv_heads: int = 8, head_dim: int = 64):
     ("float16", 2, False, True, 128, "flash"),       # flash takes grouped keys/values
     ("bfloat16", 8, True, False, 64, "efficient"),   # a mask rules flash out
     ("float32", 8, False, False, 64, "efficient"),   # flash has no fp32
-    ("float32", 2, False, True, 64, "math"),         # fp32 + GQA: no fused kernel takes it (Llama fp32)
+    ("float32", 2, False, True, 64, "math"),         # fp32 + GQA: no fused kernel takes it (Llama fp32, torch 2.11)
     ("bfloat16", 2, True, True, 64, "math"),         # a mask and grouped heads
     ("bfloat16", 8, False, False, 512, "efficient"),  # head dim past flash's 256
+    ("bfloat16", 8, False, False, 100, "flash"),     # not a multiple of 8: padded for flash
+    ("bfloat16", 8, True, False, 100, "math"),       # ... but memory-efficient needs a multiple of 8 in 16-bit
+    ("float32", 8, True, False, 100, "efficient"),   # ... and a multiple of 4 in fp32
 ])
 def test_cuda_picks_the_first_backend_whose_constraints_hold(dtype, kv_heads, mask, gqa, head_dim, kernel):
-    q, k = _qk(dtype, kv_heads=kv_heads, head_dim=head_dim)
-    assert cuda_sdpa_kernel(q, k, object() if mask else None, enable_gqa=gqa) == kernel
+    import torch
+
+    q, k, v = _qkv(dtype, kv_heads=kv_heads, head_dim=head_dim)
+    attn_mask = torch.zeros(1, 1, 4, 4, device="meta", dtype=q.dtype) if mask else None
+    assert cuda_sdpa_kernel(q, k, attn_mask, enable_gqa=gqa, v=v) == kernel
 
 
 def test_flash_attention_2_is_flash_whatever_the_inputs():
-    q, k = _qk("float32", kv_heads=2)
-    assert cuda_sdpa_kernel(q, k, None, enable_gqa=True, force_flash=True) == "flash"
+    q, k, v = _qkv("float32", kv_heads=2)
+    assert cuda_sdpa_kernel(q, k, None, enable_gqa=True, force_flash=True, v=v) == "flash"
 
 
 def _acts(folder, **options):
