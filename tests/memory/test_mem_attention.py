@@ -80,3 +80,26 @@ def test_torch_is_left_as_it_was_after_a_trace(zoo):
     before = (F.scaled_dot_product_attention, F.dropout)
     _acts(zoo["tiny-gpt2"], seq_len=16)
     assert (F.scaled_dot_product_attention, F.dropout) == before
+
+
+def test_a_head_dim_of_100_runs_flash_padded_to_104_in_bf16(tmp_path):
+    import transformers
+
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=200, intermediate_size=256, num_attention_heads=2,
+                                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=128,
+                                      architectures=["LlamaForCausalLM"], bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config.save_pretrained(tmp_path)
+    acts = _acts(tmp_path, seq_len=64, mixed_precision="bf16", strategy="zero2", num_processes=2)
+    assert acts.attention_kernels == ["flash"]
+    assert "head dim 100 padded to 104" in acts.attention_detail
+    on_volta = _acts(tmp_path, seq_len=64, mixed_precision="bf16", strategy="zero2", num_processes=2, cuda_capability="7.0")
+    assert on_volta.attention_kernels == ["math"]  # no flash before sm80, bf16 has no memory-efficient kernel there
+
+
+def test_t5s_learned_position_bias_counts_its_gradient_in_backward_with_memory_efficient(zoo):
+    acts = _acts(zoo["tiny-t5"], seq_len=32, batch_size=2)
+    assert "efficient" in acts.attention_kernels
+    # the (B, H, L, S rounded to 16) fp32 gradient of the bias: 2 x 2 heads x 32 x 32 x 4 bytes
+    assert acts.attention_backward_bytes == 2 * 2 * 32 * 32 * 4
+    est = estimate(str(zoo["tiny-t5"]), EstimateOptions(dtypes=("float32",), strategy="ddp", seq_len=32, batch_size=2))
+    assert "mask's gradient" in est.breakdown.item("backward_temporaries").formula
