@@ -231,6 +231,40 @@ class Suggestion(_Frozen):
     fits: bool
 
 
+class MeasuredPeak(_Frozen):
+    """What `--measure` found: real training steps of the model with random weights on a device (memory/probe.py)."""
+
+    outcome: Literal["ok", "out of memory", "failed"]
+    device: str = Field(description="the device measured on: a GPU's name, or CPU")
+    what: str = Field(description="what the figures are, in words")
+    torch: str = ""
+    steps: int = 0
+    allocated_peak_bytes: int | None = Field(None, description="CUDA: torch.cuda.max_memory_allocated()")
+    reserved_peak_bytes: int | None = Field(None, description="CUDA: torch.cuda.max_memory_reserved()")
+    outside_allocator_bytes: int | None = Field(None, description="CUDA: device memory in use outside PyTorch's allocator")
+    device_total_bytes: int | None = None
+    rss_peak_growth_bytes: int | None = Field(None, description="CPU: growth of the process's peak resident set size")
+    error: str = ""
+
+    @property
+    def needed_bytes(self) -> int | None:
+        """What the device must hold for the measured run: reserved peak + outside the allocator (CUDA), RSS growth (CPU)."""
+        if self.reserved_peak_bytes is not None:
+            return self.reserved_peak_bytes + (self.outside_allocator_bytes or 0)
+        return self.rss_peak_growth_bytes
+
+    def describe(self) -> str:
+        if self.outcome == "failed":
+            return f"not measured: {self.error}"
+        if self.reserved_peak_bytes is not None:
+            figures = (f"allocated peak {human_bytes(self.allocated_peak_bytes or 0)}, reserved peak "
+                       f"{human_bytes(self.reserved_peak_bytes)}, outside the allocator {human_bytes(self.outside_allocator_bytes or 0)}")
+        else:
+            figures = f"peak RSS growth {human_bytes(self.rss_peak_growth_bytes or 0)}"
+        head = "ran out of memory" if self.outcome == "out of memory" else f"{self.steps} training step(s)"
+        return f"{head} on {self.device} (torch {self.torch}): {figures} [{self.what}]"
+
+
 class FitVerdict(_Frozen):
     """Whether one device holds the run, with headroom, and the smallest change that would make it fit.
 
@@ -256,6 +290,10 @@ class FitVerdict(_Frozen):
     allocated_peak_bytes: int = Field(0, description="the estimate's peak of live tensors (torch.cuda.max_memory_allocated)")
     allocator_overhead_bytes: int = Field(0, description="CUDA context and workspaces + caching-allocator rounding and fragmentation")
     reserve_explained: str = ""
+    basis: Literal["estimate", "measured"] = Field("estimate", description="what the verdict rests on")
+    measured: MeasuredPeak | None = None
+    unmodelled: list[str] = Field(default_factory=list, description="paths the estimate did not model; they widen the margin")
+    margin_fraction: float = Field(0.05, description="share of the device that must stay free for 'fits'")
 
     @property
     def best(self) -> Suggestion | None:
