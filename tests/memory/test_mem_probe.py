@@ -94,3 +94,40 @@ def test_estimate_memory_measure_prints_the_measurement_and_exits_1_when_it_does
     out = capsys.readouterr().out
     assert "Measured: " in out and "on CPU" in out
     assert code == 1 and out.count("Does not fit") == 1 and "measured" in out.split("Does not fit")[1][:20]
+
+
+def _request(model, device_memory: str, measure: bool = True):
+    from pathlib import Path
+
+    from prefect_accelerate.pipeline.models import MemorySettings, PipelineRequest
+
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "ddp_allreduce.py")
+    return PipelineRequest(script=example, model=str(model),
+                           launch_flags={"cpu": True, "num_processes": 1, "mixed_precision": "no", "dynamo_backend": "no", "num_machines": 1},
+                           memory=MemorySettings(device_memory=device_memory, seq_len=32, batch_size=2, measure=measure))
+
+
+def test_the_pipelines_memory_gate_with_measure_memory_passes_or_fails_on_the_measured_peak(zoo):
+    from prefect_accelerate.errors import PreflightError
+    from prefect_accelerate.pipeline import steps
+
+    request = _request(zoo["tiny-gpt2"], "8GiB")
+    est = steps.memory_step(request)
+    verdict = steps.memory_fit_step(request, est)
+    assert verdict.basis == "measured" and verdict.measured.outcome == "ok" and verdict.fits
+    small = _request(zoo["tiny-gpt2"], "8MiB")
+    with pytest.raises(PreflightError, match=r"Does not fit.{0,3}measured"):
+        steps.memory_fit_step(small, est)
+
+
+def test_measure_memory_is_part_of_the_memory_gates_cache_key_and_the_cli_flag_sets_it(zoo):
+    from prefect_accelerate.cli.main import build_parser
+    from prefect_accelerate.cli.pipeline_cmd import request_from_args
+    from prefect_accelerate.pipeline.graph import build_graph
+
+    def gate_key(request):
+        return next(s.key for s in build_graph(request).steps if s.name == "memory-fit")
+
+    assert gate_key(_request(zoo["tiny-gpt2"], "8GiB", measure=True)) != gate_key(_request(zoo["tiny-gpt2"], "8GiB", measure=False))
+    args = build_parser().parse_args(["plan", "--model", str(zoo["tiny-gpt2"]), "--measure_memory", "train.py"])
+    assert request_from_args(args).memory.measure is True
