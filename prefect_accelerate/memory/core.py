@@ -5,10 +5,11 @@ from __future__ import annotations
 from prefect_accelerate._version import __version__
 from prefect_accelerate.errors import broken_imports_reported
 from prefect_accelerate.memory.models import EstimateOptions, MemoryEstimate, ModelProfile, ModelSource
+from prefect_accelerate.memory import profile_cache
 from prefect_accelerate.memory.resolve import resolve_model
 
 
-def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -> MemoryEstimate:
+def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *, cache: bool = False) -> MemoryEstimate:
     """Size a model without weights: Accelerate's table, plus the per-device breakdown when a strategy is set.
 
     Args:
@@ -16,6 +17,9 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -
             name, or a `ModelSource` from `resolve_model`.
         options: dtypes for the table, and the training layout for the breakdown (``strategy=None``
             gives the table only).
+
+        cache: reuse (and keep) what an earlier build and trace measured for the same config, versions and
+            traced options (memory/profile_cache.py): a hit imports neither torch nor transformers.
 
     Returns:
         A MemoryEstimate; ``.breakdown`` is set when ``options.strategy`` is.
@@ -29,7 +33,7 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -
         >>> est = estimate("./my-model", EstimateOptions(strategy="zero3", num_processes=8, mixed_precision="bf16"))
         >>> est.breakdown.device_total
     """
-    from prefect_accelerate.memory.build import build_table_model, quiet_libraries
+    from prefect_accelerate.memory.build import build_table_model, quiet_libraries  # no torch import until called
     from prefect_accelerate.memory.sizing import table_sizes
     from prefect_accelerate.memory.strategies import device_breakdown, validate_layout
     from prefect_accelerate.memory.table import build_table
@@ -42,12 +46,22 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -
     # one-paragraph error naming it, not a traceback from deep inside transformers or timm
     with broken_imports_reported(f"Sizing `{name}`"):
         source = model if isinstance(model, ModelSource) else resolve_model(model, options.library_name)
-        with quiet_libraries():
-            table_model = build_table_model(source, options.trust_remote_code)
-            total, largest, names = table_sizes(table_model)
-            table = build_table(source.name, type(table_model).__name__, total, largest, names, options.dtypes)
-            del table_model
-            profile = measure_profile(source, options) if options.strategy is not None else None
+        key = profile_cache.cache_key(source, options) if cache else None
+        kept = profile_cache.load(key) if key else None
+        if kept is not None and (options.strategy is None or kept.get("profile") is not None):
+            measured_class, total, largest, names = kept["table"]
+            profile = ModelProfile.model_validate(kept["profile"]) if options.strategy is not None else None
+        else:
+            with quiet_libraries():
+                table_model = build_table_model(source, options.trust_remote_code)
+                total, largest, names = table_sizes(table_model)
+                measured_class = type(table_model).__name__
+                del table_model
+                profile = measure_profile(source, options) if options.strategy is not None else None
+            if key:
+                profile_cache.store(key, {"table": [measured_class, total, largest, names],
+                                          "profile": profile.model_dump(mode="json") if profile is not None else None})
+        table = build_table(source.name, measured_class, total, largest, names, options.dtypes)
     breakdown = device_breakdown(profile, options) if profile is not None else None
     return MemoryEstimate(model=source.name, source=source, options=options, table=table, profile=profile,
                           breakdown=breakdown, package_version=__version__)
