@@ -9,10 +9,15 @@ figure is the median of 5 runs:
 - cold, a fresh Python process per run (imports included): `prefect-accelerate estimate-memory` and
   Accelerate's `estimate_command`, both printing their table.
 
+- the estimate cache (memory/profile_cache.py): `prefect-accelerate estimate-memory` on the Llama-3-70B
+  shape with the ZeRO-3 breakdown, a fresh process each time: first run with an empty cache, the same
+  command again, and another layout (ZeRO-2, 16 processes, optimizer offload) over the cached profile.
+
 We print times and ratios; nothing here passes or fails.
 
     python bench/estimate_speed.py               # about 2 minutes on 2 CPU cores
     python bench/estimate_speed.py --repeats 3 --no-cold
+    python bench/estimate_speed.py --cache-only  # just the estimate-cache rows
 """
 
 from __future__ import annotations
@@ -93,11 +98,41 @@ def cold(script: str, folder: Path, repeats: int) -> float:
     return median_time(once, repeats)
 
 
+def cache_rows(folder: Path, repeats: int) -> None:
+    """estimate-memory in fresh processes: empty cache, the same command again, another layout."""
+    layout = ["--strategy", "zero3", "--num_processes", "8", "--mixed_precision", "bf16", "--no-track"]
+    other = ["--strategy", "zero2", "--num_processes", "16", "--mixed_precision", "bf16", "--offload", "optimizer", "--no-track"]
+    command = [sys.executable, "-m", "prefect_accelerate.cli.main", "estimate-memory", str(folder)]
+    base = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SHIMS), str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+    def timed(argv: list[str], env: dict[str, str]) -> float:
+        started = time.perf_counter()
+        subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # exit 1 = does not fit: fine
+        return time.perf_counter() - started
+
+    firsts, repeats_, others = [], [], []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**base, "PREFECT_ACCELERATE_PROFILE_CACHE": cache}
+            firsts.append(timed(command + layout, env))
+            repeats_.append(timed(command + layout, env))
+            others.append(timed(command + other, env))
+    print(f"\nestimate-memory {folder.name} (ZeRO-3 breakdown), fresh process, median of {repeats}:")
+    print(f"  empty estimate cache   {statistics.median(firsts):6.2f}s  (imports torch and transformers, builds and traces)")
+    print(f"  same command again     {statistics.median(repeats_):6.2f}s  (cache hit: neither torch nor transformers imported)")
+    print(f"  another layout         {statistics.median(others):6.2f}s  (zero2 x16 + optimizer offload over the cached profile)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-cold", action="store_true", help="Skip the fresh-process runs.")
+    parser.add_argument("--cache-only", action="store_true", help="Only the estimate-cache rows.")
     args = parser.parse_args(argv)
+    if args.cache_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            cache_rows(write_configs(Path(tmp))["llama-3-70b"], args.repeats)
+        return 0
 
     from prefect_accelerate.memory import EstimateOptions, estimate
 
@@ -123,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 accelerate_cold = cold(ACCELERATE_COLD, folder, args.repeats)
                 line += f" {ours_cold:9.2f}s {accelerate_cold:15.2f}s {ours_cold / accelerate_cold:10.2f}x"
             print(line)
+        cache_rows(write_configs(Path(tmp))["llama-3-70b"], args.repeats)
     print("\nratio = ours / accelerate (below 1: we are faster). Cold runs are mostly Python imports (torch, transformers).")
     return 0
 
