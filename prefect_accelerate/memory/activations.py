@@ -222,10 +222,12 @@ def trace_activations(
         precision_mode=precision_mode,
         saved_bytes=recorder.outside + sum(per_layer),
         outside_layers_bytes=recorder.outside,
+        outside_after_layers_bytes=recorder.outside_after,
         per_layer_bytes=per_layer,
         layer_input_bytes=sum(inputs),
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
+        largest_layer_tensor_bytes=recorder.largest_in_layers,
         autocast_weight_copy_bytes=cast_total,
         cache_bytes=cache_all,
         cache_unsaved_bytes=cache_unsaved,
@@ -266,6 +268,8 @@ class _SavedTensorRecorder:
         self.keep: list[Any] = []  # holds every counted tensor so that no id is reused while we count
         self.casts: set[int] = set()
         self.outside = 0
+        self.outside_after = 0
+        self.largest_in_layers = 0
         self.cast_outside = 0
         self.largest = 0
         self.layer_index: dict[int, int] = {}
@@ -292,7 +296,10 @@ class _SavedTensorRecorder:
         self.largest = max(self.largest, size)
         if self.current is None:
             self.outside += size
+            if self.layer_index:  # after the first block: the head, the final norm, the loss
+                self.outside_after += size
         else:
+            self.largest_in_layers = max(self.largest_in_layers, size)
             self.saved_in[self.current] += size
         return tensor
 

@@ -130,10 +130,14 @@ class ActivationProfile(_Frozen):
     precision_mode: str
     saved_bytes: int = 0
     outside_layers_bytes: int = 0
+    outside_after_layers_bytes: int = Field(0, description="the part of outside_layers_bytes saved after the first block "
+                                                          "(final norm, head, loss): freed before any block's backward")
     per_layer_bytes: list[int] = Field(default_factory=list)
     layer_input_bytes: int = 0
     retained_output_bytes: int = 0
     largest_tensor_bytes: int = 0
+    largest_layer_tensor_bytes: int = Field(0, description="the largest tensor a block saves (its backward's temporaries "
+                                                           "scale with it when a checkpointed block is recomputed)")
     autocast_weight_copy_bytes: int = 0
     cache_bytes: int = Field(0, description="a KV cache the model's output holds (transformers' DynamicCache); the loop keeps it through the step")
     cache_unsaved_bytes: int = Field(0, description="the part of that cache that is not also saved for backward (alive from forward on)")
