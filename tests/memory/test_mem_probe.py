@@ -131,3 +131,14 @@ def test_measure_memory_is_part_of_the_memory_gates_cache_key_and_the_cli_flag_s
     assert gate_key(_request(zoo["tiny-gpt2"], "8GiB", measure=True)) != gate_key(_request(zoo["tiny-gpt2"], "8GiB", measure=False))
     args = build_parser().parse_args(["plan", "--model", str(zoo["tiny-gpt2"]), "--measure_memory", "train.py"])
     assert request_from_args(args).memory.measure is True
+
+
+def test_a_padded_head_dim_is_named_as_unconfirmed_and_widens_the_margin(tmp_path):
+    import transformers
+
+    transformers.LlamaConfig(num_hidden_layers=2, hidden_size=200, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+                             vocab_size=128, max_position_embeddings=128, architectures=["LlamaForCausalLM"], bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0).save_pretrained(tmp_path)
+    est = _estimate(tmp_path, strategy="zero2", num_processes=2, mixed_precision="bf16")
+    assert unmodelled_paths(est) == ["flash attention on a head dim padded to a multiple of 8 (not yet confirmed on a GPU)"]
+    assert check_fit(est, "1TiB").margin_fraction == UNMODELLED_MARGIN
