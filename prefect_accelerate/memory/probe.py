@@ -19,8 +19,10 @@ What it measures:
 - CPU: the growth of the process's peak resident set size (``getrusage(RUSAGE_SELF).ru_maxrss``) from just
   before the model was built to the end; that is every page torch's CPU allocator (and glibc's arenas)
   touched, which is what the machine must hold; there is no allocated/reserved split on CPU. The child's
-  address space is capped to the device memory given (``RLIMIT_AS``), so a run that does not fit fails
-  with an allocation error there instead of waking the kernel's OOM killer.
+  address space is capped (``RLIMIT_AS``) to the device memory given, or this machine's free memory when
+  that is less, so a run that does not fit fails with an allocation error there instead of waking the
+  kernel's OOM killer; running out of the machine's free memory (rather than the budget) is reported as
+  "not measured", never as a verdict about the device.
 
 What it cannot measure: one process runs the whole model, so for ZeRO and FSDP (several processes sharing
 the states) it measures the unsharded peak of one device, an upper bound for the model states but without
@@ -199,10 +201,14 @@ def _run_probe(spec: dict[str, Any]) -> dict[str, Any]:
         process = psutil.Process()
         # start the intra-op thread pool now: its thread stacks are address space too, and the cap below is for the model
         torch.ones(1 << 20).mul_(2).sum()
-        if spec.get("device_memory"):
-            # cap the address space: an allocation past the budget fails in this process instead of the machine swapping
-            cap = process.memory_info().vms + int(spec["device_memory"])
-            resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        # cap the address space: an allocation past the budget fails in this process instead of the machine swapping.
+        # The budget is the device memory given, but never more than this machine has free: past that, running out
+        # says nothing about the device.
+        free = psutil.virtual_memory().available
+        budget = min(int(spec["device_memory"]), free) if spec.get("device_memory") else free
+        ram_bound = not spec.get("device_memory") or free < int(spec["device_memory"])
+        cap = process.memory_info().vms + budget
+        resource.setrlimit(resource.RLIMIT_AS, (cap, resource.getrlimit(resource.RLIMIT_AS)[1]))
         baseline = process.memory_info().rss
     autocast = spec["precision_mode"].startswith("autocast-") or spec["precision_mode"].endswith("+autocast")
     low = torch.bfloat16 if "bf16" in spec["precision_mode"] else torch.float16
@@ -235,6 +241,9 @@ def _run_probe(spec: dict[str, Any]) -> dict[str, Any]:
             result.update(outcome="failed", error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")
     except Exception as error:  # the model's own code failing is reported, not raised
         result.update(outcome="failed", error=f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]}")
+    if not cuda and result["outcome"] == "out of memory" and ram_bound:
+        result.update(outcome="failed", error=(f"the probe needed more than this machine's free memory ({budget / 2**30:.2f} GiB), "
+                                               "so it says nothing about the device; run --measure where the device is"))
     if cuda:
         result["allocated_peak_bytes"] = int(torch.cuda.max_memory_allocated())
         result["reserved_peak_bytes"] = int(torch.cuda.max_memory_reserved())
