@@ -326,7 +326,9 @@ def check_measured(estimate: MemoryEstimate, measured: MeasuredPeak, device_memo
     margin = AT_RISK_FRACTION
     status = "does not fit" if headroom < 0 else "at risk" if headroom < memory * margin else "fits"
     added = f" + DDP gradient buckets {human_bytes(buckets)} from the estimate" if buckets else ""
-    need = f"{human_bytes(required)} measured ({measured.describe()}{added}); the estimate said {estimated.required}"
+    said = (f"the estimate said {estimated.required} with the CUDA allowances" if measured.reserved_peak_bytes is not None
+            else f"the estimate's allocated peak was {human_bytes(estimated.allocated_peak_bytes)}")
+    need = f"{human_bytes(required)} measured ({measured.describe()}{added}); {said}"
     if status == "fits":
         message = f"Fits (measured): {need}; on {human_bytes(memory)} devices, headroom {human_bytes(headroom)}."
     elif status == "at risk":

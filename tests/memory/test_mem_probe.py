@@ -30,7 +30,7 @@ def test_measure_on_cpu_reports_what_it_measured_on_what_and_the_verdict_rests_o
     verdict = check_measured(est, measured, "4GiB")
     assert verdict.basis == "measured" and verdict.fits
     assert verdict.required_bytes == measured.rss_peak_growth_bytes
-    assert verdict.message.startswith("Fits (measured)") and "the estimate said" in verdict.message
+    assert verdict.message.startswith("Fits (measured)") and "the estimate's allocated peak was" in verdict.message
 
 
 def test_a_probe_that_runs_out_of_memory_is_an_answer_not_a_crash(tmp_path):
