@@ -50,7 +50,7 @@ BERT_LARGE = {"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidde
               "num_attention_heads": 16, "intermediate_size": 4096}
 T5_LARGE = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 1024, "d_ff": 4096, "num_layers": 24,
             "num_decoder_layers": 24, "num_heads": 16, "d_kv": 64, "decoder_start_token_id": 0}
-LLAMA_HD80 = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2560, "num_hidden_layers": 16,
+LLAMA_HD90 = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2880, "num_hidden_layers": 16,
               "intermediate_size": 6912, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, **TOKENS}
 GPT2_HD68 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 12, "n_embd": 1088, "n_head": 16}
 BART_LARGE = {"model_type": "bart", "architectures": ["BartForConditionalGeneration"], "d_model": 1024, "encoder_layers": 12,
@@ -68,7 +68,7 @@ def _case(name, library, config, precision, batch, seq=None, attn=None, checkpoi
 
 def grid() -> list[dict]:
     """Decoder, encoder, encoder-decoder (T5's learned bias, BART) and a timm ViT; fp32/bf16; sdpa/eager; head dims
-    that are not multiples of 8 (100, 80, 68); grouped keys/values; checkpointing; 16k-token sequences."""
+    that are not multiples of 8 (100, 90, 68); grouped keys/values; checkpointing; 16k-token sequences."""
     t, m = "transformers", "timm"
     return [
         _case("llama-1.1b-shape fp32 4x1024", t, LLAMA_1B, "no", 4, 1024),
@@ -89,8 +89,8 @@ def grid() -> list[dict]:
         _case("t5-large fp32 8x512", t, T5_LARGE, "no", 8, 512),
         _case("t5-large bf16 16x512", t, T5_LARGE, "bf16", 16, 512),
         _case("llama-3b-shape bf16 2x2048 checkpointing", t, LLAMA_3B, "bf16", 2, 2048, checkpointing=True),
-        _case("llama-hd80 gqa bf16 4x2048", t, LLAMA_HD80, "bf16", 4, 2048),
-        _case("llama-hd80 gqa fp32 2x2048", t, LLAMA_HD80, "no", 2, 2048),
+        _case("llama-hd90 gqa bf16 4x2048", t, LLAMA_HD90, "bf16", 4, 2048),
+        _case("llama-hd90 gqa fp32 2x2048", t, LLAMA_HD90, "no", 2, 2048),
         _case("llama-1.1b-shape bf16 1x16384 long", t, LLAMA_1B_LONG, "bf16", 1, 16384),
         _case("llama-1.1b-shape bf16 1x16384 long checkpointing", t, LLAMA_1B_LONG, "bf16", 1, 16384, checkpointing=True),
         _case("gpt2-hd68 fp32 8x1024", t, GPT2_HD68, "no", 8, 1024),
