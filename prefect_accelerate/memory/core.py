@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prefect_accelerate._version import __version__
-from prefect_accelerate.errors import broken_imports_reported
+from prefect_accelerate.errors import EstimateError, broken_imports_reported
 from prefect_accelerate.memory.models import EstimateOptions, MemoryEstimate, ModelProfile, ModelSource
 from prefect_accelerate.memory import profile_cache
 from prefect_accelerate.memory.resolve import resolve_model
@@ -83,6 +83,12 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
     build_attention = "sdpa" if force_flash else attention  # FA2 keeps what SDPA's flash kernel keeps
     model, class_name = build_trained_model(source, options.trust_remote_code, options.model_class,
                                             attn_implementation=build_attention)
+    if force_flash and not (getattr(type(model), "_supports_flash_attn", False) or getattr(type(model), "_supports_flash_attn_2", False)):
+        # transformers itself refuses flash attention for such a class (PreTrainedModel._check_and_adjust_attn_impl)
+        raise EstimateError(
+            f"`{class_name}` does not support flash_attention_2 in transformers (its `_supports_flash_attn` is False), so "
+            "training could not run it. Use --attn_implementation sdpa or eager, or leave it out to get transformers' pick."
+        )
     profile = model_profile(model, class_name)
     if not options.activations:
         return profile

@@ -103,3 +103,12 @@ def test_t5s_learned_position_bias_counts_its_gradient_in_backward_with_memory_e
     assert acts.attention_backward_bytes == 2 * 2 * 32 * 32 * 4
     est = estimate(str(zoo["tiny-t5"]), EstimateOptions(dtypes=("float32",), strategy="ddp", seq_len=32, batch_size=2))
     assert "mask's gradient" in est.breakdown.item("backward_temporaries").formula
+
+
+def test_flash_attention_2_on_a_class_transformers_refuses_it_for_is_an_error_not_an_estimate(zoo):
+    from prefect_accelerate.errors import EstimateError
+
+    # T5 adds a learned position bias to the scores: transformers marks it `_supports_flash_attn = False`
+    with pytest.raises(EstimateError, match="T5ForConditionalGeneration.*does not support flash_attention_2"):
+        _acts(zoo["tiny-t5"], seq_len=16, attn_implementation="flash_attention_2")
+    assert _acts(zoo["tiny-llama"], seq_len=16, attn_implementation="flash_attention_2").attention_kernels == ["flash"]
