@@ -142,3 +142,11 @@ def test_a_padded_head_dim_is_named_as_unconfirmed_and_widens_the_margin(tmp_pat
     est = _estimate(tmp_path, strategy="zero2", num_processes=2, mixed_precision="bf16")
     assert unmodelled_paths(est) == ["flash attention on a head dim padded to a multiple of 8 (not yet confirmed on a GPU)"]
     assert check_fit(est, "1TiB").margin_fraction == UNMODELLED_MARGIN
+
+
+def test_a_malformed_cuda_capability_is_one_paragraph_and_exit_2(zoo, capsys):
+    from prefect_accelerate.cli.main import main
+
+    assert main(["estimate-memory", str(zoo["tiny-gpt2"]), "--cuda_capability", "nine", "--no-track"]) == 2
+    err = capsys.readouterr().err
+    assert "--cuda_capability takes MAJOR.MINOR" in err and "Traceback" not in err
