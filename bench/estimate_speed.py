@@ -18,6 +18,10 @@ We print times and ratios; nothing here passes or fails.
     python bench/estimate_speed.py               # about 2 minutes on 2 CPU cores
     python bench/estimate_speed.py --repeats 3 --no-cold
     python bench/estimate_speed.py --cache-only  # just the estimate-cache rows
+    python bench/estimate_speed.py --cold-only   # the issue's goal: a 70B-shape estimate in a fresh process, no cache
+
+--cold-only prints wall-clock and CPU (user+sys of the child, less sensitive to a shared machine's load)
+medians, and the load average before and after.
 """
 
 from __future__ import annotations
@@ -123,12 +127,44 @@ def cache_rows(folder: Path, repeats: int) -> None:
     print(f"  another layout         {statistics.median(others):6.2f}s  (zero2 x16 + optimizer offload over the cached profile)")
 
 
+def cold_rows(folder: Path, repeats: int, shim: bool = True) -> None:
+    """The 70B-shape ZeRO-3 estimate in a fresh process with the estimate cache off: wall and CPU medians."""
+    import resource
+
+    layout = ["--strategy", "zero3", "--num_processes", "8", "--mixed_precision", "bf16", "--no-track"]
+    command = [sys.executable, "-m", "prefect_accelerate.cli.main", "estimate-memory", str(folder), *layout]
+    path = [str(SHIMS), str(REPO)] if shim else [str(REPO)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]),
+           "PREFECT_ACCELERATE_PROFILE_CACHE": "off"}
+    walls, cpus = [], []
+    load_before = os.getloadavg()[0]
+    for _ in range(repeats):
+        used = resource.getrusage(resource.RUSAGE_CHILDREN)
+        started = time.perf_counter()
+        done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        walls.append(time.perf_counter() - started)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime - used.ru_utime + after.ru_stime - used.ru_stime)
+        if done.returncode not in (0, 1):
+            raise SystemExit(f"estimate-memory failed ({done.returncode}): {done.stderr[-2000:]}")
+    print(f"estimate-memory {folder.name} ZeRO-3, fresh process, cache off, median of {repeats}: "
+          f"wall {statistics.median(walls):.2f}s (min {min(walls):.2f}s), CPU user+sys {statistics.median(cpus):.2f}s "
+          f"(min {min(cpus):.2f}s); load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-cold", action="store_true", help="Skip the fresh-process runs.")
     parser.add_argument("--cache-only", action="store_true", help="Only the estimate-cache rows.")
+    parser.add_argument("--cold-only", action="store_true", help="Only the cold row (fresh process, cache off).")
+    parser.add_argument("--no-shim", action="store_true",
+                        help="--cold-only without the tests' torchvision shim (the venv as a user has it).")
     args = parser.parse_args(argv)
+    if args.cold_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            cold_rows(write_configs(Path(tmp))["llama-3-70b"], args.repeats, shim=not args.no_shim)
+        return 0
     if args.cache_only:
         with tempfile.TemporaryDirectory() as tmp:
             cache_rows(write_configs(Path(tmp))["llama-3-70b"], args.repeats)

@@ -134,7 +134,7 @@ def _measured(args: argparse.Namespace, options):  # noqa: ANN202 - (MemoryEstim
     from prefect_accelerate.memory.units import parse_memory_size
 
     device_memory = None if args.device_memory in (None, "auto") else args.device_memory
-    result = estimate(args.model_name, options, cache=True)
+    result = estimate(args.model_name, options, cache=True, lean_imports=True)
     import torch
 
     budget = parse_memory_size(device_memory) if device_memory else None
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         from prefect_accelerate.memory.core import estimate
         from prefect_accelerate.memory.fit import check_fit
 
-        result = estimate(args.model_name, options, cache=True)
+        result = estimate(args.model_name, options, cache=True, lean_imports=True)
         verdict = check_fit(result, device_memory, args.reserve) if check else None
     if args.json:
         payload = {"estimate": result.model_dump(mode="json"), "verdict": verdict.model_dump(mode="json") if verdict else None}

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prefect_accelerate._version import __version__
 from prefect_accelerate.errors import EstimateError, broken_imports_reported
 from prefect_accelerate.memory.models import EstimateOptions, MemoryEstimate, ModelProfile, ModelSource
 from prefect_accelerate.memory import profile_cache
+from prefect_accelerate.memory.lean_imports import hidden_for
 from prefect_accelerate.memory.resolve import resolve_model
 
 
-def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *, cache: bool = False) -> MemoryEstimate:
+def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *, cache: bool = False,
+             lean_imports: bool = False) -> MemoryEstimate:
     """Size a model without weights: Accelerate's table, plus the per-device breakdown when a strategy is set.
 
     Args:
@@ -20,6 +24,9 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *
 
         cache: reuse (and keep) what an earlier build and trace measured for the same config, versions and
             traced options (memory/profile_cache.py): a hit imports neither torch nor transformers.
+        lean_imports: for a command that owns its process: keep the optional libraries a text model never
+            uses (torchvision, scipy) out of transformers' import (memory/lean_imports.py). transformers
+            remembers they were absent for the rest of the process, so the library API leaves it off.
 
     Returns:
         A MemoryEstimate; ``.breakdown`` is set when ``options.strategy`` is.
@@ -52,7 +59,9 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *
             measured_class, total, largest, names = kept["table"]
             profile = ModelProfile.model_validate(kept["profile"]) if options.strategy is not None else None
         else:
-            with quiet_libraries():
+            # a command that owns its process hides the optional libraries this model never uses (memory/lean_imports.py)
+            lean = hidden_for(source.library, source.config) if lean_imports else contextlib.nullcontext()
+            with lean, quiet_libraries():
                 table_model = build_table_model(source, options.trust_remote_code)
                 total, largest, names = table_sizes(table_model)
                 measured_class = type(table_model).__name__
