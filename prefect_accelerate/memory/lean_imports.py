@@ -16,8 +16,8 @@ them. Nothing of transformers is patched.
 
 When: only for a transformers model whose config has no sub-model configs (a composite such as
 LLaVA builds other models' code) and whose own modeling module (``transformers/models/<type>/
-modeling_<type>.py``) never names the library; a model that does (DETR's family names torchvision
-and scipy) keeps them. Timm models always keep torchvision (timm imports it).
+modeling_<type>.py``) names none of these libraries; a model whose code names one (DETR's family
+imports torchvision's ops) keeps them all. Timm models always keep torchvision (timm imports it).
 
 transformers caches what it found, so for the rest of the process its image helpers stay without
 the hidden library: `hidden_for` is therefore used only by a command that owns its process and before
@@ -63,7 +63,9 @@ def unused_libraries(library: str, config: dict[str, Any] | None) -> tuple[str, 
     source = _modeling_source(model_type) if isinstance(model_type, str) and model_type else None
     if source is None:
         return ()
-    return tuple(name for name in OPTIONAL_LIBRARIES if name not in source)
+    if any(name in source for name in OPTIONAL_LIBRARIES):
+        return ()  # vision/detection code (DETR's family): its losses may reach the others too; keep them all
+    return OPTIONAL_LIBRARIES
 
 
 @contextlib.contextmanager
