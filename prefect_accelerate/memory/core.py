@@ -25,7 +25,7 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *
         cache: reuse (and keep) what an earlier build and trace measured for the same config, versions and
             traced options (memory/profile_cache.py): a hit imports neither torch nor transformers.
         lean_imports: for a command that owns its process: keep the optional libraries a text model never
-            uses (torchvision, scipy) out of transformers' import (memory/lean_imports.py). transformers
+            uses (torchvision, scipy, boto3) out of transformers' import (memory/lean_imports.py). transformers
             remembers they were absent for the rest of the process, so the library API leaves it off.
 
     Returns:

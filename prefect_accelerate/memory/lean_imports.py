@@ -4,7 +4,8 @@ transformers 5.x imports vision and detection helpers on every model's path: a L
 imports ``utils.type_validators``, which imports ``video_utils`` -> ``image_transforms`` ->
 ``image_utils``, which imports ``torchvision.transforms`` whenever transformers' availability check
 (``importlib.util.find_spec``) finds torchvision; ``modeling_utils`` imports ``loss_for_object_detection``,
-which imports ``scipy.optimize`` for the Hungarian matcher. None of it runs when a text model is built
+which imports ``scipy.optimize`` for the Hungarian matcher; transformers' Accelerate integration reaches
+``accelerate.commands.config.sagemaker``, which imports boto3. None of it runs when a text model is built
 and traced, but importing torchvision costs ~0.3-1.7 s here (its ``ops`` import ``torch._dynamo``, its
 ``models`` and ``datasets`` packages load eagerly) and a torchvision built for another torch stops
 the estimate altogether.
@@ -33,8 +34,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-#: Optional libraries transformers imports for image, video and detection code only.
-OPTIONAL_LIBRARIES: tuple[str, ...] = ("torchvision", "scipy")
+#: Optional libraries imported on the way for code a text model never runs: transformers' image/video helpers
+#: (torchvision), its detection losses (scipy), Accelerate's SageMaker config (boto3, via transformers'
+#: accelerate integration).
+OPTIONAL_LIBRARIES: tuple[str, ...] = ("torchvision", "scipy", "boto3")
 
 
 def _modeling_source(model_type: str) -> str | None:

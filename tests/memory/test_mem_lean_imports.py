@@ -24,7 +24,7 @@ CHILD = """
 import json, sys
 from prefect_accelerate.cli.main import main
 code = main(["estimate-memory", *sys.argv[1:], "--no-track", "--json"])
-loaded = [name for name in ("torchvision", "scipy", "timm") if sys.modules.get(name) is not None]
+loaded = [name for name in ("torchvision", "scipy", "boto3", "timm") if sys.modules.get(name) is not None]
 print("LOADED=" + json.dumps(loaded), file=sys.stderr)
 sys.exit(code)
 """
@@ -50,7 +50,7 @@ OPTIONS = EstimateOptions(strategy="zero2", num_processes=2, mixed_precision="bf
 
 
 @pytest.mark.slow
-def test_a_text_model_estimate_imports_neither_torchvision_nor_scipy_and_its_numbers_are_unchanged(zoo):
+def test_a_text_model_estimate_imports_no_torchvision_scipy_or_boto3_and_its_numbers_are_unchanged(zoo):
     cli, loaded = run_child([str(zoo["tiny-llama"]), *LAYOUT])
     assert loaded == []
     assert cli["estimate"]["breakdown"] is not None
@@ -85,7 +85,7 @@ def test_a_timm_model_keeps_torchvision_and_estimates(zoo):
 
 
 def test_only_libraries_the_models_own_modeling_code_never_names_are_hidden():
-    assert unused_libraries("transformers", {"model_type": "llama"}) == ("torchvision", "scipy")
+    assert unused_libraries("transformers", {"model_type": "llama"}) == ("torchvision", "scipy", "boto3")
     # DETR's modeling module imports torchvision's ops (and its loss uses scipy's matcher): both stay
     assert unused_libraries("transformers", {"model_type": "detr"}) == ()
     assert unused_libraries("timm", {"architecture": "resnet50"}) == ()
