@@ -111,7 +111,7 @@ def cache_rows(folder: Path, repeats: int) -> None:
 
     def timed(argv: list[str], env: dict[str, str]) -> float:
         started = time.perf_counter()
-        subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # exit 1 = does not fit: fine
+        subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)  # exit 1 = does not fit: fine
         return time.perf_counter() - started
 
     firsts, repeats_, others = [], [], []
@@ -141,7 +141,8 @@ def cold_rows(folder: Path, repeats: int, shim: bool = True) -> None:
     for _ in range(repeats):
         used = resource.getrusage(resource.RUSAGE_CHILDREN)
         started = time.perf_counter()
-        done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # cwd: `python -m` puts the working directory first on sys.path, so run from this checkout
+        done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO)
         walls.append(time.perf_counter() - started)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpus.append(after.ru_utime - used.ru_utime + after.ru_stime - used.ru_stime)
