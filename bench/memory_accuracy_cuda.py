@@ -50,6 +50,13 @@ BERT_LARGE = {"model_type": "bert", "architectures": ["BertForMaskedLM"], "hidde
               "num_attention_heads": 16, "intermediate_size": 4096}
 T5_LARGE = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "d_model": 1024, "d_ff": 4096, "num_layers": 24,
             "num_decoder_layers": 24, "num_heads": 16, "d_kv": 64, "decoder_start_token_id": 0}
+LLAMA_HD90 = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2880, "num_hidden_layers": 16,
+              "intermediate_size": 6912, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000, **TOKENS}
+GPT2_HD68 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 12, "n_embd": 1088, "n_head": 16}
+BART_LARGE = {"model_type": "bart", "architectures": ["BartForConditionalGeneration"], "d_model": 1024, "encoder_layers": 12,
+              "decoder_layers": 12, "encoder_attention_heads": 16, "decoder_attention_heads": 16, "encoder_ffn_dim": 4096,
+              "decoder_ffn_dim": 4096, "vocab_size": 50265, "max_position_embeddings": 1024, "decoder_start_token_id": 2}
+LLAMA_1B_LONG = {**LLAMA_1B, "max_position_embeddings": 16384}
 VIT_B = {"architecture": "vit_base_patch16_224", "num_classes": 1000}
 VIT_L = {"architecture": "vit_large_patch16_224", "num_classes": 1000}
 
@@ -60,7 +67,8 @@ def _case(name, library, config, precision, batch, seq=None, attn=None, checkpoi
 
 
 def grid() -> list[dict]:
-    """The issue's grid: decoder, encoder, encoder-decoder and a timm ViT; fp32/bf16; sdpa/eager; checkpointing."""
+    """Decoder, encoder, encoder-decoder (T5's learned bias, BART) and a timm ViT; fp32/bf16; sdpa/eager; head dims
+    that are not multiples of 8 (100, 90, 68); grouped keys/values; checkpointing; 16k-token sequences."""
     t, m = "transformers", "timm"
     return [
         _case("llama-1.1b-shape fp32 4x1024", t, LLAMA_1B, "no", 4, 1024),
@@ -80,6 +88,17 @@ def grid() -> list[dict]:
         _case("bert-large bf16 32x512", t, BERT_LARGE, "bf16", 32, 512),
         _case("t5-large fp32 8x512", t, T5_LARGE, "no", 8, 512),
         _case("t5-large bf16 16x512", t, T5_LARGE, "bf16", 16, 512),
+        _case("llama-3b-shape bf16 2x2048 checkpointing", t, LLAMA_3B, "bf16", 2, 2048, checkpointing=True),
+        _case("llama-hd90 gqa bf16 4x2048", t, LLAMA_HD90, "bf16", 4, 2048),
+        _case("llama-hd90 gqa fp32 2x2048", t, LLAMA_HD90, "no", 2, 2048),
+        _case("llama-1.1b-shape bf16 1x16384 long", t, LLAMA_1B_LONG, "bf16", 1, 16384),
+        _case("llama-1.1b-shape bf16 1x16384 long checkpointing", t, LLAMA_1B_LONG, "bf16", 1, 16384, checkpointing=True),
+        _case("gpt2-hd68 fp32 8x1024", t, GPT2_HD68, "no", 8, 1024),
+        _case("gpt2-hd68 bf16 8x1024", t, GPT2_HD68, "bf16", 8, 1024),
+        _case("t5-large bf16 16x512 checkpointing", t, T5_LARGE, "bf16", 16, 512, checkpointing=True),
+        _case("t5-large fp32 8x512 eager", t, T5_LARGE, "no", 8, 512, "eager"),
+        _case("bart-large fp32 8x1024", t, BART_LARGE, "no", 8, 1024),
+        _case("bart-large bf16 16x1024", t, BART_LARGE, "bf16", 16, 1024),
         _case("vit-b16 fp32 batch 64", m, VIT_B, "no", 64),
         _case("vit-l16 bf16 batch 64", m, VIT_L, "bf16", 64),
     ]
@@ -138,6 +157,9 @@ def provenance() -> dict:  # pragma: no cover - CUDA machines only
         timm_version = None
     return {
         "gpu": props.name, "device_memory_gib": round(props.total_memory / GIB, 2), "torch": torch.__version__,
+        "compute_capability": f"{props.major}.{props.minor}", "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(), "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
+        "hardware_measured": True,
         "transformers": transformers.__version__, "timm": timm_version,
         "loop": (f"models built from configs on the GPU (fp32 weights); AdamW (torch's default foreach); {STEPS} steps of "
                  "`out = model(**batch)`, `out.loss.backward()`, `opt.step()`, `opt.zero_grad(set_to_none=True)`; bf16 "

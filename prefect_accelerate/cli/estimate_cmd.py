@@ -26,7 +26,8 @@ from prefect_accelerate.memory.choices import (
 
 #: Flags that ask for the per-device breakdown (the strategy then defaults to ddp).
 _LAYOUT_DESTS = ("strategy", "num_processes", "num_machines", "offload", "optimizer", "mixed_precision",
-                 "gradient_checkpointing", "batch_size", "seq_len", "model_class", "device_memory", "attn_implementation")
+                 "gradient_checkpointing", "batch_size", "seq_len", "model_class", "device_memory", "attn_implementation",
+                 "measure", "cuda_capability")
 
 #: Exit status when the verdict says the run does not fit (errors exit 2, as everywhere in the CLI).
 NOT_FIT_EXIT_CODE = 1
@@ -72,6 +73,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--reserve", type=float, default=DEFAULT_RESERVE_FRACTION,
                      help=("Extra share of device memory to keep back, on top of the modelled CUDA context and allocator "
                            f"fragmentation (default: {DEFAULT_RESERVE_FRACTION})."))
+    fit.add_argument("--measure", action="store_true", default=False,
+                     help=("Also build the model from its config with random weights on this machine's GPU (else CPU) and "
+                           "run 3 real training steps of the layout in a child process; the verdict then rests on the "
+                           "measured peak (an out-of-memory run is 'does not fit: measured'). No weights are downloaded."))
+    layout.add_argument("--cuda_capability", default=None, metavar="MAJOR.MINOR",
+                        help="Compute capability of the target GPU for the attention kernel rules, e.g. 9.0 (H100/H200), "
+                             "8.0 (A100), 8.9 (L4) (default: this machine's GPU, else 9.0).")
     p.add_argument("--json", action="store_true", default=False, help="Print the estimate (and verdict) as JSON.")
     add_tracking_flags(p, tracked_by_default=False)
     p.set_defaults(func=run)
@@ -102,14 +110,49 @@ def options_from_args(args: argparse.Namespace):  # noqa: ANN201 - EstimateOptio
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         attn_implementation=args.attn_implementation,
+        cuda_capability=_capability(args.cuda_capability),
     )
+
+
+def _capability(value: str | None) -> str | None:
+    import re
+
+    from prefect_accelerate.errors import UsageError
+
+    if value is None:
+        return None
+    if not re.fullmatch(r"\d+\.\d+", value):
+        raise UsageError(f"--cuda_capability takes MAJOR.MINOR, such as 9.0 (H100/H200) or 8.0 (A100); got `{value}`.")
+    return value
+
+
+def _measured(args: argparse.Namespace, options):  # noqa: ANN202 - (MemoryEstimate, FitVerdict)
+    """Estimate, probe with real steps in a child process, and judge on the measurement."""
+    from prefect_accelerate.memory.core import estimate
+    from prefect_accelerate.memory.fit import check_measured
+    from prefect_accelerate.memory.probe import measure
+    from prefect_accelerate.memory.units import parse_memory_size
+
+    device_memory = None if args.device_memory in (None, "auto") else args.device_memory
+    result = estimate(args.model_name, options, cache=True, lean_imports=True)
+    import torch
+
+    budget = parse_memory_size(device_memory) if device_memory else None
+    if device_memory is None and not torch.cuda.is_available():
+        import psutil
+
+        device_memory = budget = psutil.virtual_memory().available
+    measured = measure(result, device="auto", device_memory=budget if not torch.cuda.is_available() else None)
+    return result, check_measured(result, measured, device_memory, args.reserve)
 
 
 def run(args: argparse.Namespace) -> int:
     options = options_from_args(args)
     device_memory = None if args.device_memory in (None, "auto") else args.device_memory
-    check = args.device_memory is not None
-    if should_track(args):
+    check = args.device_memory is not None or args.measure
+    if args.measure:
+        result, verdict = _measured(args, options)
+    elif should_track(args):
         from prefect_accelerate.flows.memory import estimate_memory_flow
 
         result, verdict = estimate_memory_flow(args.model_name, options, device_memory=device_memory, check=check,
@@ -118,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         from prefect_accelerate.memory.core import estimate
         from prefect_accelerate.memory.fit import check_fit
 
-        result = estimate(args.model_name, options)
+        result = estimate(args.model_name, options, cache=True, lean_imports=True)
         verdict = check_fit(result, device_memory, args.reserve) if check else None
     if args.json:
         payload = {"estimate": result.model_dump(mode="json"), "verdict": verdict.model_dump(mode="json") if verdict else None}

@@ -28,6 +28,9 @@ def _add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seq_len", type=int, default=None, help="Sequence length for activation memory (transformers models).")
     group.add_argument("--gradient_checkpointing", action="store_true", help="The script uses gradient checkpointing.")
     group.add_argument("--device_memory", default=None, help="Memory of one device, e.g. 80GiB (default: detected).")
+    group.add_argument("--measure_memory", action="store_true",
+                       help="The memory gate also builds --model with random weights on this machine's GPU (else CPU) and runs "
+                            "3 real training steps in a child process; it then passes or fails on the measured peak.")
     group.add_argument("--library_name", default=None, choices=LIBRARIES, help="Library of --model when it cannot be read from its config.")
     group.add_argument("--no_install_test", dest="run_install_test", action="store_false", help="Skip the distributed self-test step.")
     group.add_argument("--require_approval", action="store_true", help="Pause before the launch until approved in the Prefect UI.")
@@ -82,7 +85,7 @@ def request_from_args(args: argparse.Namespace):
         launch_flags=flags, model=args.model,
         memory=MemorySettings(optimizer=args.optimizer, batch_size=args.batch_size, seq_len=args.seq_len,
                               gradient_checkpointing=args.gradient_checkpointing, device_memory=args.device_memory,
-                              library_name=args.library_name),
+                              library_name=args.library_name, measure=args.measure_memory),
         run_install_test=args.run_install_test, require_approval=args.require_approval, force=list(args.force or []),
         timeout=args.timeout,
     )

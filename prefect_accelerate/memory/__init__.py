@@ -6,6 +6,7 @@ The pure API, importable without Prefect (and without torch until a model is bui
 
     est = estimate("./my-model", EstimateOptions(strategy="zero3", num_processes=8, mixed_precision="bf16"))
     verdict = check_fit(est, "80GiB")
+    measured = check_measured(est, measure(est), "80GiB")   # real steps in a child process
 
 Names are loaded on first use so that importing this package stays cheap.
 """
@@ -17,6 +18,9 @@ from prefect_accelerate._lazy import lazy_getattr
 _EXPORTS: dict[str, str] = {
     "estimate": "prefect_accelerate.memory.core",
     "check_fit": "prefect_accelerate.memory.fit",
+    "check_measured": "prefect_accelerate.memory.fit",
+    "measure": "prefect_accelerate.memory.probe",
+    "MeasuredPeak": "prefect_accelerate.memory.models",
     "detect_device_memory": "prefect_accelerate.memory.fit",
     "resolve_model": "prefect_accelerate.memory.resolve",
     "device_breakdown": "prefect_accelerate.memory.strategies",

@@ -90,6 +90,7 @@ def trace_activations(
     full_depth: int | None = None,
     force_flash: bool = False,
     device_type: str = "cuda",
+    capability: tuple[int, int] | None = None,
 ) -> ActivationProfile:
     """Run one forward pass of a fake-tensor model and measure what backward will need.
 
@@ -107,6 +108,7 @@ def trace_activations(
             which keeps what SDPA's flash kernel keeps).
         device_type: ``cuda`` stands in CUDA's attention and dropout kernels (memory/attention.py);
             ``cpu`` keeps CPU's own, for comparisons with real training on CPU.
+        capability: the CUDA compute capability whose kernel rules apply (None: this machine's GPU, else 9.0).
 
     Returns:
         An ActivationProfile; ``method="not estimated"`` with a note when the inputs are not supported
@@ -158,7 +160,7 @@ def trace_activations(
     handles += [layer.register_forward_hook(recorder.leave_layer) for layer in layers]
     mode = _fake_mode_of(model)
     watch = _param_casts(recorder, params) if autocast_dtype is not None else contextlib.nullcontext()
-    kernels = cuda_kernels(force_flash) if device_type == "cuda" else contextlib.nullcontext(None)
+    kernels = cuda_kernels(force_flash, capability) if device_type == "cuda" else contextlib.nullcontext(None)
     cache: list[Any] = []
     try:
         with mode, watch, _moe_without_grouped_mm(), kernels as kernel_log, \
@@ -220,18 +222,37 @@ def trace_activations(
         precision_mode=precision_mode,
         saved_bytes=recorder.outside + sum(per_layer),
         outside_layers_bytes=recorder.outside,
+        outside_after_layers_bytes=recorder.outside_after,
         per_layer_bytes=per_layer,
         layer_input_bytes=sum(inputs),
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
+        largest_layer_tensor_bytes=recorder.largest_in_layers,
         autocast_weight_copy_bytes=cast_total,
         cache_bytes=cache_all,
         cache_unsaved_bytes=cache_unsaved,
         attention_implementation=(getattr(config, "_attn_implementation", None) if library == "transformers"
                                   else "sdpa" if kernel_log is not None and kernel_log.kernels else None),
         attention_kernels=list(kernel_log.kernels) if kernel_log is not None else [],
+        attention_backward_bytes=kernel_log.backward_bytes if kernel_log is not None else 0,
+        attention_detail=_kernel_detail(kernel_log),
         note=note,
     )
+
+
+def _kernel_detail(log: Any) -> str:
+    """Why each kernel ran, in words: the target, the backends refused and head-dim padding."""
+    if log is None or not log.kernels:
+        return ""
+    target = log.target
+    parts = [f"rules of torch {target.torch[0]}.{target.torch[1]} for compute capability {target.capability[0]}.{target.capability[1]}"]
+    if log.force_flash:
+        parts.append("flash_attention_2 keeps what SDPA's flash kernel keeps")
+    parts += [f"{kernel}: {why}" for kernel, why in log.reasons.items()]
+    parts += [f"head dim {a} padded to {b} for flash" for a, b in sorted(log.padded_head_dims)]
+    if log.backward_bytes:
+        parts.append("memory-efficient backward materializes the gradient of a mask that requires grad")
+    return "; ".join(parts)
 
 
 class _SavedTensorRecorder:
@@ -247,6 +268,8 @@ class _SavedTensorRecorder:
         self.keep: list[Any] = []  # holds every counted tensor so that no id is reused while we count
         self.casts: set[int] = set()
         self.outside = 0
+        self.outside_after = 0
+        self.largest_in_layers = 0
         self.cast_outside = 0
         self.largest = 0
         self.layer_index: dict[int, int] = {}
@@ -273,7 +296,10 @@ class _SavedTensorRecorder:
         self.largest = max(self.largest, size)
         if self.current is None:
             self.outside += size
+            if self.layer_index:  # after the first block: the head, the final norm, the loss
+                self.outside_after += size
         else:
+            self.largest_in_layers = max(self.largest_in_layers, size)
             self.saved_in[self.current] += size
         return tensor
 

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prefect_accelerate._version import __version__
-from prefect_accelerate.errors import broken_imports_reported
+from prefect_accelerate.errors import EstimateError, broken_imports_reported
 from prefect_accelerate.memory.models import EstimateOptions, MemoryEstimate, ModelProfile, ModelSource
+from prefect_accelerate.memory import profile_cache
+from prefect_accelerate.memory.lean_imports import hidden_for
 from prefect_accelerate.memory.resolve import resolve_model
 
 
-def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -> MemoryEstimate:
+def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *, cache: bool = False,
+             lean_imports: bool = False) -> MemoryEstimate:
     """Size a model without weights: Accelerate's table, plus the per-device breakdown when a strategy is set.
 
     Args:
@@ -16,6 +21,12 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -
             name, or a `ModelSource` from `resolve_model`.
         options: dtypes for the table, and the training layout for the breakdown (``strategy=None``
             gives the table only).
+
+        cache: reuse (and keep) what an earlier build and trace measured for the same config, versions and
+            traced options (memory/profile_cache.py): a hit imports neither torch nor transformers.
+        lean_imports: for a command that owns its process: keep the optional libraries a text model never
+            uses (torchvision, scipy, boto3) out of transformers' import (memory/lean_imports.py). transformers
+            remembers they were absent for the rest of the process, so the library API leaves it off.
 
     Returns:
         A MemoryEstimate; ``.breakdown`` is set when ``options.strategy`` is.
@@ -29,7 +40,7 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -
         >>> est = estimate("./my-model", EstimateOptions(strategy="zero3", num_processes=8, mixed_precision="bf16"))
         >>> est.breakdown.device_total
     """
-    from prefect_accelerate.memory.build import build_table_model, quiet_libraries
+    from prefect_accelerate.memory.build import build_table_model, quiet_libraries  # no torch import until called
     from prefect_accelerate.memory.sizing import table_sizes
     from prefect_accelerate.memory.strategies import device_breakdown, validate_layout
     from prefect_accelerate.memory.table import build_table
@@ -42,12 +53,24 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None) -
     # one-paragraph error naming it, not a traceback from deep inside transformers or timm
     with broken_imports_reported(f"Sizing `{name}`"):
         source = model if isinstance(model, ModelSource) else resolve_model(model, options.library_name)
-        with quiet_libraries():
-            table_model = build_table_model(source, options.trust_remote_code)
-            total, largest, names = table_sizes(table_model)
-            table = build_table(source.name, type(table_model).__name__, total, largest, names, options.dtypes)
-            del table_model
-            profile = measure_profile(source, options) if options.strategy is not None else None
+        key = profile_cache.cache_key(source, options) if cache else None
+        kept = profile_cache.load(key) if key else None
+        if kept is not None and (options.strategy is None or kept.get("profile") is not None):
+            measured_class, total, largest, names = kept["table"]
+            profile = ModelProfile.model_validate(kept["profile"]) if options.strategy is not None else None
+        else:
+            # a command that owns its process hides the optional libraries this model never uses (memory/lean_imports.py)
+            lean = hidden_for(source.library, source.config) if lean_imports else contextlib.nullcontext()
+            with lean, quiet_libraries():
+                table_model = build_table_model(source, options.trust_remote_code)
+                total, largest, names = table_sizes(table_model)
+                measured_class = type(table_model).__name__
+                del table_model
+                profile = measure_profile(source, options) if options.strategy is not None else None
+            if key:
+                profile_cache.store(key, {"table": [measured_class, total, largest, names],
+                                          "profile": profile.model_dump(mode="json") if profile is not None else None})
+        table = build_table(source.name, measured_class, total, largest, names, options.dtypes)
     breakdown = device_breakdown(profile, options) if profile is not None else None
     return MemoryEstimate(model=source.name, source=source, options=options, table=table, profile=profile,
                           breakdown=breakdown, package_version=__version__)
@@ -69,6 +92,12 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
     build_attention = "sdpa" if force_flash else attention  # FA2 keeps what SDPA's flash kernel keeps
     model, class_name = build_trained_model(source, options.trust_remote_code, options.model_class,
                                             attn_implementation=build_attention)
+    if force_flash and not (getattr(type(model), "_supports_flash_attn", False) or getattr(type(model), "_supports_flash_attn_2", False)):
+        # transformers itself refuses flash attention for such a class (PreTrainedModel._check_and_adjust_attn_impl)
+        raise EstimateError(
+            f"`{class_name}` does not support flash_attention_2 in transformers (its `_supports_flash_attn` is False), so "
+            "training could not run it. Use --attn_implementation sdpa or eager, or leave it out to get transformers' pick."
+        )
     profile = model_profile(model, class_name)
     if not options.activations:
         return profile
@@ -86,7 +115,14 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
                                        attn_implementation=build_attention)
     activations = trace_activations(to_fake(model), library=source.library, batch_size=options.batch_size,
                                     seq_len=options.seq_len, precision_mode=mode, full_depth=depth, force_flash=force_flash,
-                                    device_type=options.device_type)
+                                    device_type=options.device_type, capability=_capability(options))
     if force_flash:
         activations = activations.model_copy(update={"attention_implementation": "flash_attention_2"})
     return profile.model_copy(update={"activations": activations})
+
+
+def _capability(options: EstimateOptions) -> tuple[int, int] | None:
+    if options.cuda_capability is None:
+        return None
+    major, minor = options.cuda_capability.split(".")
+    return int(major), int(minor)

@@ -61,6 +61,10 @@ class EstimateOptions(_Frozen):
         None, description="transformers attention to model: eager, sdpa or flash_attention_2 (None: the config's, else transformers' pick)")
     device_type: Literal["cuda", "cpu"] = Field(
         "cuda", description="where training runs: CUDA's attention and dropout kernels, or CPU's own (for checks on CPU)")
+    cuda_capability: str | None = Field(
+        None, pattern=r"^\d+\.\d+$",
+        description="compute capability of the target GPU for the attention kernel rules, e.g. 9.0 (H100/H200), 8.0 "
+                    "(A100), 8.9 (L4); None: this machine's GPU, else 9.0")
 
 
 class ModelSource(_Frozen):
@@ -126,15 +130,23 @@ class ActivationProfile(_Frozen):
     precision_mode: str
     saved_bytes: int = 0
     outside_layers_bytes: int = 0
+    outside_after_layers_bytes: int = Field(0, description="the part of outside_layers_bytes saved after the first block "
+                                                          "(final norm, head, loss): freed before any block's backward")
     per_layer_bytes: list[int] = Field(default_factory=list)
     layer_input_bytes: int = 0
     retained_output_bytes: int = 0
     largest_tensor_bytes: int = 0
+    largest_layer_tensor_bytes: int = Field(0, description="the largest tensor a block saves (its backward's temporaries "
+                                                           "scale with it when a checkpointed block is recomputed)")
     autocast_weight_copy_bytes: int = 0
     cache_bytes: int = Field(0, description="a KV cache the model's output holds (transformers' DynamicCache); the loop keeps it through the step")
     cache_unsaved_bytes: int = Field(0, description="the part of that cache that is not also saved for backward (alive from forward on)")
     attention_implementation: str | None = Field(None, description="transformers' attention implementation the trace ran")
-    attention_kernels: list[str] = Field(default_factory=list, description="CUDA SDPA kernels stood in for: flash, efficient, math")
+    attention_kernels: list[str] = Field(default_factory=list, description="CUDA SDPA kernels stood in for: flash, efficient, cudnn, math")
+    attention_backward_bytes: int = Field(0, description="the largest temporary one attention backward allocates beyond the "
+                                                         "q/k/v gradients (memory-efficient's gradient of a mask that requires grad)")
+    attention_detail: str = Field("", description="why those kernels: torch release and compute capability whose rules "
+                                                  "applied, backends refused and the first rule each failed")
     note: str = ""
 
 
@@ -223,6 +235,40 @@ class Suggestion(_Frozen):
     fits: bool
 
 
+class MeasuredPeak(_Frozen):
+    """What `--measure` found: real training steps of the model with random weights on a device (memory/probe.py)."""
+
+    outcome: Literal["ok", "out of memory", "failed"]
+    device: str = Field(description="the device measured on: a GPU's name, or CPU")
+    what: str = Field(description="what the figures are, in words")
+    torch: str = ""
+    steps: int = 0
+    allocated_peak_bytes: int | None = Field(None, description="CUDA: torch.cuda.max_memory_allocated()")
+    reserved_peak_bytes: int | None = Field(None, description="CUDA: torch.cuda.max_memory_reserved()")
+    outside_allocator_bytes: int | None = Field(None, description="CUDA: device memory in use outside PyTorch's allocator")
+    device_total_bytes: int | None = None
+    rss_peak_growth_bytes: int | None = Field(None, description="CPU: growth of the process's peak resident set size")
+    error: str = ""
+
+    @property
+    def needed_bytes(self) -> int | None:
+        """What the device must hold for the measured run: reserved peak + outside the allocator (CUDA), RSS growth (CPU)."""
+        if self.reserved_peak_bytes is not None:
+            return self.reserved_peak_bytes + (self.outside_allocator_bytes or 0)
+        return self.rss_peak_growth_bytes
+
+    def describe(self) -> str:
+        if self.outcome == "failed":
+            return f"not measured: {self.error}"
+        if self.reserved_peak_bytes is not None:
+            figures = (f"allocated peak {human_bytes(self.allocated_peak_bytes or 0)}, reserved peak "
+                       f"{human_bytes(self.reserved_peak_bytes)}, outside the allocator {human_bytes(self.outside_allocator_bytes or 0)}")
+        else:
+            figures = f"peak RSS growth {human_bytes(self.rss_peak_growth_bytes or 0)}"
+        head = "ran out of memory" if self.outcome == "out of memory" else f"{self.steps} training step(s)"
+        return f"{head} on {self.device} (torch {self.torch}): {figures} [{self.what}]"
+
+
 class FitVerdict(_Frozen):
     """Whether one device holds the run, with headroom, and the smallest change that would make it fit.
 
@@ -248,6 +294,10 @@ class FitVerdict(_Frozen):
     allocated_peak_bytes: int = Field(0, description="the estimate's peak of live tensors (torch.cuda.max_memory_allocated)")
     allocator_overhead_bytes: int = Field(0, description="CUDA context and workspaces + caching-allocator rounding and fragmentation")
     reserve_explained: str = ""
+    basis: Literal["estimate", "measured"] = Field("estimate", description="what the verdict rests on")
+    measured: MeasuredPeak | None = None
+    unmodelled: list[str] = Field(default_factory=list, description="paths the estimate did not model; they widen the margin")
+    margin_fraction: float = Field(0.05, description="share of the device that must stay free for 'fits'")
 
     @property
     def best(self) -> Suggestion | None:

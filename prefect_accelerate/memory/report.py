@@ -60,8 +60,12 @@ def render_breakdown(b: DeviceBreakdown, estimate: MemoryEstimate | None = None)
 
 def render_verdict(v: FitVerdict) -> str:
     lines = [v.message, f"Device memory: {v.device_memory} ({v.device_source}); counted: {v.counted}."]
-    if v.reserve_explained:
+    if v.reserve_explained and v.basis == "estimate":
         lines.append(f"Beyond the allocated peak: {v.reserve_explained}.")
+    if v.unmodelled:
+        lines.append(f"Not modelled: {'; '.join(v.unmodelled)}. 'Fits' then needs {v.margin_fraction:.0%} of the device free.")
+    if v.measured is not None:
+        lines.append(f"Measured: {v.measured.describe()}.")
     if not v.fits and len(v.suggestions) > 1:
         lines.append("Other changes that buy room:")
         lines.extend(f"  {s.change}  ->  {s.device_total} per device" for s in v.suggestions[1:])

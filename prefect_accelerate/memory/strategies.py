@@ -314,10 +314,23 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
         return MemoryItem.of("activations", "Activations", 0, "not estimated"), 0, "not estimated", [note], "not estimated"
     scale = options.batch_size / acts.batch_size
     notes = [acts.note] if acts.note else []
+    backward = 2 * acts.largest_tensor_bytes * scale
+    backward_formula = "2 x the largest activation (its gradient and the next one)"
     if options.gradient_checkpointing and acts.per_layer_bytes:
-        kept = acts.outside_layers_bytes + acts.layer_input_bytes + max(acts.per_layer_bytes) + acts.retained_output_bytes
-        formula = (f"traced for {acts.input_description}, checkpointed: outside the blocks + {len(acts.per_layer_bytes)} "
-                   "block inputs + one block recomputed + outputs")
+        # torch.utils.checkpoint (transformers: use_reentrant=False) keeps each block's inputs. Backward has two
+        # phases that never overlap: the head's (what it saved, its gradients) and then each block's (the block
+        # recomputed, its gradients); the head's saved tensors are freed before the first block is recomputed.
+        before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
+        head = acts.outside_after_layers_bytes + 2 * acts.largest_tensor_bytes
+        block = max(acts.per_layer_bytes) + 2 * acts.largest_layer_tensor_bytes
+        phase = "what the head saves" if head >= block else "one block recomputed"
+        kept = before + acts.layer_input_bytes + acts.retained_output_bytes + (
+            acts.outside_after_layers_bytes if head >= block else max(acts.per_layer_bytes))
+        if head < block:
+            backward = 2 * acts.largest_layer_tensor_bytes * scale
+            backward_formula = "2 x the largest activation of a block (its gradient and the next one)"
+        formula = (f"traced for {acts.input_description}, checkpointed: saved before the blocks + {len(acts.per_layer_bytes)} "
+                   f"block inputs + outputs + {phase} (the larger backward phase: the head's, or one block's)")
     else:
         kept = acts.saved_bytes + acts.retained_output_bytes + acts.cache_unsaved_bytes
         formula = f"traced for {acts.input_description}: tensors saved for backward + outputs"
@@ -328,8 +341,10 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
                          "activations are counted in full.")
     if scale != 1:
         formula += f", scaled x{scale:g} to batch {options.batch_size}"
-    backward = 2 * acts.largest_tensor_bytes * scale
-    backward_formula = "2 x the largest activation (its gradient and the next one)"
+    if acts.attention_backward_bytes:
+        backward += acts.attention_backward_bytes * scale
+        backward_formula += (f" + the attention mask's gradient that memory-efficient backward materializes "
+                             f"({human_bytes(acts.attention_backward_bytes * scale)})")
     if keeps_casts and acts.autocast_weight_copy_bytes:
         backward += acts.autocast_weight_copy_bytes
         backward_formula += f" + autocast's 16-bit weight copies kept for backward ({human_bytes(acts.autocast_weight_copy_bytes)})"

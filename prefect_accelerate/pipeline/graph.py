@@ -196,6 +196,8 @@ def build_graph(request: PipelineRequest, *, host=None, with_status: bool = True
             steps["memory"].inputs = {"model config": model, "layout": digest(layout.model_dump(mode="json")),
                                       "model libraries": libraries}
             steps["memory-fit"].inputs = {"memory": "", "device memory": _device_digest(request, fingerprint)}
+            if request.memory.measure:  # a measured gate is a different answer than an estimated one
+                steps["memory-fit"].inputs["measured"] = "real training steps (--measure_memory)"
         if uses_deepspeed:
             from prefect_accelerate.launchers.engines.deepspeed.check import settings_from_options
 

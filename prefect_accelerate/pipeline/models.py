@@ -27,6 +27,8 @@ class MemorySettings(BaseModel):
     device_memory: str | None = Field(None, description="Memory of one device, e.g. 80GiB; detected when empty.")
     library_name: Library | None = None
     trust_remote_code: bool = False
+    measure: bool = Field(False, description="Also run real training steps of the model with random weights (memory/probe.py); "
+                                             "the gate then rests on the measured peak.")
 
 
 class PipelineRequest(BaseModel):

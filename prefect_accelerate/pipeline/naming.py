@@ -41,7 +41,8 @@ def identity(request: PipelineRequest) -> str:
     config = str(Path(request.config_file).expanduser().resolve()) if request.config_file else "default:" + config_name(request)
     return digest({
         "config": config, "script": str(Path(request.script).expanduser()), "script_args": request.script_args,
-        "model": request.model, "memory": request.memory.model_dump(mode="json"), "flags": request.launch_flags,
+        "model": request.model, "memory": request.memory.model_dump(mode="json", exclude={"measure"}),  # measuring the gate is the same pipeline
+        "flags": request.launch_flags,
     })[:6]
 
 

@@ -73,6 +73,14 @@ def memory_fit_verdict(request: PipelineRequest, estimate):
     from prefect_accelerate.memory.fit import check_fit
 
     memory, source = device_memory_for(request, estimate)
+    if request.memory.measure:
+        from prefect_accelerate.memory.fit import check_measured
+        from prefect_accelerate.memory.probe import measure
+        from prefect_accelerate.memory.units import parse_memory_size
+
+        # the budget caps the probe's address space on CPU; on a GPU the device itself is the limit
+        measured = measure(estimate, device="auto", device_memory=parse_memory_size(memory))
+        return check_measured(estimate, measured, memory).model_copy(update={"device_source": source})
     return check_fit(estimate, memory).model_copy(update={"device_source": source})
 
 

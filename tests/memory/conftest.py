@@ -106,3 +106,9 @@ def timm_resnet50_config() -> dict:
 def cache_entry(hf_cache):
     """Add a repo to the private HF cache: ``cache_entry("org/name", config_dict)`` -> snapshot folder."""
     return lambda repo_id, config, **kwargs: add_to_cache(hf_cache, repo_id, config, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def own_profile_cache(tmp_path, monkeypatch):
+    """Each test its own estimate cache: a test must never be answered from another test's build and trace."""
+    monkeypatch.setenv("PREFECT_ACCELERATE_PROFILE_CACHE", str(tmp_path / "memory-profiles"))

@@ -34,7 +34,8 @@ def test_the_grid_lists_without_prefect_pydantic_or_torch():
     assert done.returncode == 0, done.stderr
     names = done.stdout.splitlines()
     assert len(names) >= 15
-    for family in ("llama", "gpt2", "bert", "t5", "vit", "eager", "checkpointing", "fp32", "bf16", "16x2048"):
+    for family in ("llama", "gpt2", "bert", "t5", "vit", "eager", "checkpointing", "fp32", "bf16", "16x2048", "hd90", "hd68",
+                   "gqa", "16384", "bart"):
         assert any(family in name for name in names), family
 
 
@@ -63,3 +64,17 @@ def test_the_measuring_loop_trains_a_case_without_prefect_or_pydantic():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "trained" in done.stdout
 
+
+
+def test_every_grid_case_describes_a_config_transformers_accepts():
+    import runpy
+
+    from prefect_accelerate.memory.measured import transformers_config
+
+    bench = runpy.run_path(str(BENCH), run_name="bench")
+    for case in bench["grid"]():
+        if case["library"] == "transformers":
+            config = transformers_config(case)
+            assert config.architectures, case["name"]
+            if "hd" in case["name"]:  # the odd head dims the grid exists to measure
+                assert (config.hidden_size // config.num_attention_heads) % 8, case["name"]

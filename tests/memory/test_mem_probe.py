@@ -1,0 +1,152 @@
+"""`--measure`: real training steps of the model with random weights, in a child process (memory/probe.py).
+
+This machine has no GPU, so the probe runs its CPU path on tiny models; what it reports says so.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prefect_accelerate.memory import EstimateOptions, estimate
+from prefect_accelerate.memory.fit import UNMODELLED_MARGIN, check_fit, check_measured, unmodelled_paths
+from prefect_accelerate.memory.probe import measure
+
+MIB = 1 << 20
+
+
+def _estimate(folder, **options):
+    options.setdefault("strategy", "ddp")
+    return estimate(str(folder), EstimateOptions(dtypes=("float32",), seq_len=32, batch_size=2, **options))
+
+
+def test_measure_on_cpu_reports_what_it_measured_on_what_and_the_verdict_rests_on_it(zoo):
+    est = _estimate(zoo["tiny-gpt2"])
+    measured = measure(est, device="cpu", device_memory=2 << 30)
+    assert measured.outcome == "ok", measured.error
+    assert measured.device == "CPU" and measured.steps == 3
+    assert measured.rss_peak_growth_bytes and measured.rss_peak_growth_bytes > 0
+    assert measured.allocated_peak_bytes is None  # no allocated/reserved split on CPU: we say so rather than invent one
+    assert "ru_maxrss" in measured.what
+    verdict = check_measured(est, measured, "4GiB")
+    assert verdict.basis == "measured" and verdict.fits
+    assert verdict.required_bytes == measured.rss_peak_growth_bytes
+    assert verdict.message.startswith("Fits (measured)") and "the estimate's allocated peak was" in verdict.message
+
+
+def test_a_probe_that_runs_out_of_memory_is_an_answer_not_a_crash(tmp_path):
+    import transformers
+
+    # ~25M parameters: 100 MiB of fp32 weights alone, far past a 48 MiB budget
+    transformers.GPT2Config(n_layer=2, n_embd=512, n_head=8, vocab_size=32000, n_positions=64, architectures=["GPT2LMHeadModel"],
+                            bos_token_id=0, eos_token_id=0, pad_token_id=0).save_pretrained(tmp_path)
+    est = _estimate(tmp_path)
+    measured = measure(est, device="cpu", device_memory=48 * MIB)
+    assert measured.outcome == "out of memory", measured
+    verdict = check_measured(est, measured, 48 * MIB)
+    assert not verdict.fits and verdict.status == "does not fit" and verdict.basis == "measured"
+    assert verdict.message.startswith("Does not fit: measured")
+
+
+def test_a_sharded_layout_keeps_the_estimates_verdict_and_shows_the_unsharded_measurement(zoo):
+    est = _estimate(zoo["tiny-gpt2"], strategy="zero3", num_processes=2)
+    measured = measure(est, device="cpu")
+    verdict = check_measured(est, measured, "4GiB")
+    assert verdict.basis == "estimate" and verdict.measured == measured
+    assert "unsharded single device" in verdict.message
+
+
+def test_a_probe_that_cannot_build_the_model_leaves_the_estimate_standing(zoo, tmp_path):
+    est = _estimate(zoo["tiny-gpt2"])
+    broken = est.model_copy(update={"source": est.source.model_copy(update={"location": str(tmp_path / "gone")})})
+    measured = measure(broken, device="cpu")
+    assert measured.outcome == "failed" and measured.error
+    verdict = check_measured(broken, measured, "4GiB")
+    assert verdict.basis == "estimate" and "Measuring failed" in verdict.message
+
+
+def test_asking_for_cuda_where_there_is_none_is_reported_not_raised(zoo):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    measured = measure(_estimate(zoo["tiny-gpt2"]), device="cuda")
+    assert measured.outcome == "failed" and "no CUDA device" in measured.error
+
+
+def test_an_unmodelled_path_widens_the_margin_and_is_named_in_the_verdict(zoo):
+    est = _estimate(zoo["tiny-gpt2"])
+    assert unmodelled_paths(est) == []
+    remote = est.model_copy(update={"source": est.source.model_copy(update={"config": {"auto_map": {"AutoModel": "x.Y"}}})})
+    assert unmodelled_paths(remote) == ["the model's own modeling code (config `auto_map`)"]
+    # a device leaving 10% free: "fits" for a modelled path, "at risk" where the estimate is unsure
+    device = int(check_fit(est, "1TiB").required_bytes / 0.90)
+    assert check_fit(est, device).status == "fits"
+    unsure = check_fit(remote, device)
+    assert unsure.status == "at risk" and not unsure.fits and unsure.margin_fraction == UNMODELLED_MARGIN
+    assert "does not model" in unsure.message and "auto_map" in unsure.message
+
+
+def test_estimate_memory_measure_prints_the_measurement_and_exits_1_when_it_does_not_fit(zoo, capsys):
+    from prefect_accelerate.cli.main import main
+
+    code = main(["estimate-memory", str(zoo["tiny-gpt2"]), "--seq_len", "32", "--batch_size", "2", "--measure",
+                 "--device_memory", "8MiB", "--no-track"])
+    out = capsys.readouterr().out
+    assert "Measured: " in out and "on CPU" in out
+    assert code == 1 and out.count("Does not fit") == 1 and "measured" in out.split("Does not fit")[1][:20]
+
+
+def _request(model, device_memory: str, measure: bool = True):
+    from pathlib import Path
+
+    from prefect_accelerate.pipeline.models import MemorySettings, PipelineRequest
+
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "ddp_allreduce.py")
+    return PipelineRequest(script=example, model=str(model),
+                           launch_flags={"cpu": True, "num_processes": 1, "mixed_precision": "no", "dynamo_backend": "no", "num_machines": 1},
+                           memory=MemorySettings(device_memory=device_memory, seq_len=32, batch_size=2, measure=measure))
+
+
+def test_the_pipelines_memory_gate_with_measure_memory_passes_or_fails_on_the_measured_peak(zoo):
+    from prefect_accelerate.errors import PreflightError
+    from prefect_accelerate.pipeline import steps
+
+    request = _request(zoo["tiny-gpt2"], "8GiB")
+    est = steps.memory_step(request)
+    verdict = steps.memory_fit_step(request, est)
+    assert verdict.basis == "measured" and verdict.measured.outcome == "ok" and verdict.fits
+    small = _request(zoo["tiny-gpt2"], "8MiB")
+    with pytest.raises(PreflightError, match=r"Does not fit.{0,3}measured"):
+        steps.memory_fit_step(small, est)
+
+
+def test_measure_memory_is_part_of_the_memory_gates_cache_key_and_the_cli_flag_sets_it(zoo):
+    from prefect_accelerate.cli.main import build_parser
+    from prefect_accelerate.cli.pipeline_cmd import request_from_args
+    from prefect_accelerate.pipeline.graph import build_graph
+
+    def gate_key(request):
+        return next(s.key for s in build_graph(request).steps if s.name == "memory-fit")
+
+    assert gate_key(_request(zoo["tiny-gpt2"], "8GiB", measure=True)) != gate_key(_request(zoo["tiny-gpt2"], "8GiB", measure=False))
+    args = build_parser().parse_args(["plan", "--model", str(zoo["tiny-gpt2"]), "--measure_memory", "train.py"])
+    assert request_from_args(args).memory.measure is True
+
+
+def test_a_padded_head_dim_is_named_as_unconfirmed_and_widens_the_margin(tmp_path):
+    import transformers
+
+    transformers.LlamaConfig(num_hidden_layers=2, hidden_size=200, intermediate_size=256, num_attention_heads=2, num_key_value_heads=2,
+                             vocab_size=128, max_position_embeddings=128, architectures=["LlamaForCausalLM"], bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0).save_pretrained(tmp_path)
+    est = _estimate(tmp_path, strategy="zero2", num_processes=2, mixed_precision="bf16")
+    assert unmodelled_paths(est) == ["flash attention on a head dim padded to a multiple of 8 (not yet confirmed on a GPU)"]
+    assert check_fit(est, "1TiB").margin_fraction == UNMODELLED_MARGIN
+
+
+def test_a_malformed_cuda_capability_is_one_paragraph_and_exit_2(zoo, capsys):
+    from prefect_accelerate.cli.main import main
+
+    assert main(["estimate-memory", str(zoo["tiny-gpt2"]), "--cuda_capability", "nine", "--no-track"]) == 2
+    err = capsys.readouterr().err
+    assert "--cuda_capability takes MAJOR.MINOR" in err and "Traceback" not in err
