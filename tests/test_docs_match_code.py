@@ -45,8 +45,13 @@ def flow_name(entrypoint: str) -> str:
 
 
 def deployments() -> list[str]:
-    spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-    return [f"{flow_name(d['entrypoint'])}/{d['name']}" for d in spec["deployments"]]
+    """Every deployment of the project's prefect files: deployments/prefect.yaml and the per-pool files beside it
+    (deployments/kubernetes/prefect.yaml)."""
+    names = []
+    for path in [REPO / "deployments" / "prefect.yaml", *sorted((REPO / "deployments").glob("*/prefect.yaml"))]:
+        spec = yaml.safe_load(path.read_text())
+        names += [f"{flow_name(d['entrypoint'])}/{d['name']}" for d in spec["deployments"]]
+    return names
 
 
 def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -10,7 +10,16 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-DEPLOYMENTS = {d["name"]: d for d in SPEC["deployments"]}
+#: the Kubernetes deployment has a file of its own: `prefect deploy --all` refuses a deployment whose pool does not exist
+K8S_SPEC = yaml.safe_load((REPO / "deployments" / "kubernetes" / "prefect.yaml").read_text())
+DEPLOYMENTS = {d["name"]: d for d in SPEC["deployments"] + K8S_SPEC["deployments"]}
+
+
+def test_deploy_all_from_the_root_needs_only_the_process_pool():
+    """`prefect deploy --all` stops at the first deployment whose work pool does not exist: the root file must
+    name only the `process` pool a user creates first (deployments/README.md)."""
+    assert {d["work_pool"]["name"] for d in SPEC["deployments"]} == {"accelerate"}
+    assert {d["work_pool"]["name"] for d in K8S_SPEC["deployments"]} == {"accelerate-kubernetes"}
 
 
 def test_every_deployment_is_on_the_process_pool_and_names_an_existing_flow():
@@ -34,7 +43,8 @@ def test_no_pull_section_so_deploy_records_the_checkout_it_runs_in():
     # prefect deploy then stores set_working_directory: <cwd>; no git remote or image is involved
     assert "pull" not in SPEC and SPEC["build"] is None and SPEC["push"] is None
     # but a Kubernetes flow run starts in a pod: the project is where the image put it
-    assert [d["name"] for d in SPEC["deployments"] if "pull" in d] == ["kubernetes"]
+    assert not [d["name"] for d in SPEC["deployments"] if "pull" in d]
+    assert [d["name"] for d in K8S_SPEC["deployments"]] == ["kubernetes"] and "pull" not in K8S_SPEC
     step = DEPLOYMENTS["kubernetes"]["pull"][0]["prefect.deployments.steps.set_working_directory"]
     assert step["directory"] == "/opt/prefect/prefect-accelerate"
     assert "WORKDIR /opt/prefect/prefect-accelerate" in (REPO / "deployments" / "kubernetes" / "Dockerfile").read_text()

@@ -135,7 +135,10 @@ def test_no_descendant_survives_any_stop(tmp_path_factory, stop, delay, detach):
     else:
         argv = [*CLI, "--run_dir", str(run_dir), *(["--timeout", "20"] if stop == "timeout" else []), WORKER]
     with DiskWatcher(tmp / "state") as watcher:
-        cli = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        # SIGINT as a terminal gives it: a suite started in the background (`./dev test &`) has SIGINT ignored,
+        # and a child inherits that
+        cli = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             wait_for_pids(tmp / "pids", expected)
             time.sleep(delay)

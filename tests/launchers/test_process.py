@@ -106,8 +106,10 @@ def test_a_raising_rank_reports_its_error_message(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("how", ["sigterm", "sigint"])
 def test_stopping_the_cli_leaves_no_process_behind(tmp_path, how):
+    # SIGINT as a terminal gives it, also when the suite itself runs with SIGINT ignored (started in the background)
     cli = subprocess.Popen([*CLI, "--cpu", "--num_processes", "2", *QUIET, WORKER], env=worker_env(tmp_path, "sleep"),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pids = wait_for_pids(tmp_path / "pids", 2)
     launcher = [p.pid for p in psutil.Process(cli.pid).children()]
     cli.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGINT)
