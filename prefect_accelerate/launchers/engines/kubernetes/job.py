@@ -35,6 +35,7 @@ from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult, RankFailure, parse_rank_failures
 from prefect_accelerate.launchers.state import read_records, remove_record, write_record
 from prefect_accelerate.secrets import Redactor
+from prefect_accelerate.launchers.joblog import emit_job_line
 
 POLL_SECONDS = 2.0
 #: how long stop() waits for the Job and every pod to be gone (the pods' grace period is 30 s by default)
@@ -367,15 +368,7 @@ class KubernetesJobRun:
         return out
 
     def emit(self, label: str, line: str) -> None:
-        line = self._redact(line)
-        self.tail.append(line)
-        if self._output is not None:
-            with contextlib.suppress(Exception):
-                self._output(label, line)
-        else:
-            from prefect_accelerate.launchers.engines.slurm.runlog import log_line
-
-            log_line(label, line)
+        emit_job_line(self._output, self.tail, label, self._redact(line))
 
     def poll(self) -> KubernetesJob:
         """One round: state, then every pod's new lines (labelled), then a line when the state changed."""

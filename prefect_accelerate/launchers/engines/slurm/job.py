@@ -32,6 +32,7 @@ from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.secrets import Redactor
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, read_error_file
 from prefect_accelerate.launchers.state import read_records, remove_record, write_record
+from prefect_accelerate.launchers.joblog import emit_job_line
 
 POLL_SECONDS = 0.5
 #: how long stop() waits for Slurm to end the job on every node (KillWait plus the step's teardown)
@@ -226,15 +227,7 @@ class SlurmJobRun:
         return out
 
     def emit(self, label: str, line: str) -> None:
-        line = self._redact(line)
-        self.tail.append(line)
-        if self._output is not None:
-            with contextlib.suppress(Exception):
-                self._output(label, line)
-        else:
-            from prefect_accelerate.launchers.engines.slurm.runlog import log_line
-
-            log_line(label, line)
+        emit_job_line(self._output, self.tail, label, self._redact(line))
 
     def label(self, line: str) -> tuple[str, str]:
         """(`node N rank R`, text) for a training line; (`node N`, text) for a node's other lines; else `slurm`."""

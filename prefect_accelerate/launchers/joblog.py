@@ -1,0 +1,28 @@
+"""Where a remote job handle's lines go (Slurm, Kubernetes): its tail, then the caller's callback, else the
+Prefect run logger in a run, else stdout."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable
+
+
+def log_line(label: str, line: str) -> None:
+    try:
+        from prefect import get_run_logger
+
+        get_run_logger().info("[%s] %s", label, line)
+    except Exception:  # outside a flow or task run (MissingContextError), or Prefect not importable
+        print(f"[{label}] {line}", flush=True)
+
+
+def emit_job_line(output: Callable[[str, str], None] | None, tail: deque[str], label: str, line: str) -> None:
+    """One already redacted line of a job: kept in the handle's tail, then handed on; a broken callback never
+    stops the following of the job."""
+    tail.append(line)
+    if output is not None:
+        with contextlib.suppress(Exception):
+            output(label, line)
+    else:
+        log_line(label, line)
