@@ -35,7 +35,7 @@ from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult, RankFailure, parse_rank_failures
 from prefect_accelerate.launchers.state import read_records, remove_record, write_record
 from prefect_accelerate.secrets import Redactor
-from prefect_accelerate.launchers.joblog import emit_job_line
+from prefect_accelerate.launchers.joblog import emit_job_line, open_run_log
 
 POLL_SECONDS = 2.0
 #: how long stop() waits for the Job and every pod to be gone (the pods' grace period is 30 s by default)
@@ -588,8 +588,7 @@ def run_job(plan: LaunchPlan, *, on_line: LineCallback | None = None, timeout: f
     from prefect_accelerate.signals import sigterm_as_exception
 
     log_path = Path(plan.run_dir or ".", "launch.log")
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed below
+    log = open_run_log(log_path, plan.run_dir)  # closed below
 
     def output(label: str, line: str) -> None:
         log.write(f"[{label}] {line}\n")

@@ -32,7 +32,7 @@ from prefect_accelerate.launchers.plan import LaunchPlan
 from prefect_accelerate.secrets import Redactor
 from prefect_accelerate.launchers.result import TIMEOUT_EXIT_CODE, LaunchResult, parse_rank_failures, read_error_file
 from prefect_accelerate.launchers.state import read_records, remove_record, write_record
-from prefect_accelerate.launchers.joblog import emit_job_line
+from prefect_accelerate.launchers.joblog import emit_job_line, open_run_log
 
 POLL_SECONDS = 0.5
 #: how long stop() waits for Slurm to end the job on every node (KillWait plus the step's teardown)
@@ -436,12 +436,9 @@ def run_job(plan: LaunchPlan, *, on_line: LineCallback | None = None, timeout: f
     """
     from prefect_accelerate.signals import sigterm_as_exception
 
-    from prefect_accelerate.launchers.state import make_private_dir
 
     log_path = Path(plan.run_dir or ".", "launch.log")
-    if plan.run_dir:
-        make_private_dir(log_path.parent, "run folder")
-    log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - closed below
+    log = open_run_log(log_path, plan.run_dir)  # closed below
 
     def output(label: str, line: str) -> None:
         log.write(f"[{label}] {line}\n")
