@@ -85,7 +85,8 @@ def model_profile(model: Any, class_name: str) -> ModelProfile:
     for module in model.modules():
         largest_module = max(largest_module, sum(p.numel() for p in module.parameters(recurse=False)))
 
-    unit_names = list(getattr(model, "_no_split_modules", None) or [])
+    # transformers gathers _no_split_modules into a set: sorted, so one model gives one profile
+    unit_names = sorted(set(getattr(model, "_no_split_modules", None) or []))
     units = _outermost_units(model, set(unit_names))
     inside: set[int] = set()
     largest_unit = 0
