@@ -4,12 +4,18 @@ FAIL_RANK / FAIL_RANK_CODE: that rank raises (under torchrun's @record) so its e
 the other ranks are still at work when it does (a few seconds more), as a peer is when one rank breaks, so the
 failing node is the first to end and the others are stopped by srun after it.
 HANG_DIR: after the step every rank writes its pid and a double-forked `sleep`'s pid there, then hangs.
+
+Each rank leaves with os._exit once its work is done. Under load, torch 2.13's gloo sometimes aborts the
+interpreter while it shuts down ("terminate called without an active exception", SIGABRT). Bare torchrun,
+two nodes on loopback, three busy loops: 3 of 20 runs aborted with a normal exit and 0 of 20 with os._exit.
+These tests are about our launcher, not that torch bug.
 """
 
 import os
 import subprocess
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -41,5 +47,18 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def _leave(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        main()
+    except SystemExit as stop:
+        _leave(stop.code if isinstance(stop.code, int) else 1)
+    except BaseException:  # noqa: BLE001 - printed as Python would, then the code Python would give
+        traceback.print_exc()
+        _leave(1)
+    _leave(0)
