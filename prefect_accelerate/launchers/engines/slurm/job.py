@@ -19,6 +19,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections import deque
@@ -334,14 +335,20 @@ class SlurmJobRun:
         if failures:
             update["failed_rank"] = failures[0].rank
         if job.state != "COMPLETED" and self.run_dir:
-            for path in sorted(Path(self.run_dir).glob("error-node-*.json")):
+            # only the failing node's file explains the failure: a peer's says it was stopped after it (SIGTERM)
+            known = update.get("failed_node_rank")
+            pattern = f"error-node-{known}.json" if known is not None else "error-node-*.json"
+            for path in sorted(Path(self.run_dir).glob(pattern)):
                 message, _ = read_error_file(path)
                 if message:
                     update["error"] = self._redact(message.strip().splitlines()[-1])
                     update.setdefault("failed_node_rank", int(path.stem.rsplit("-", 1)[-1]))
                     break
-        if failures and failures[0].exit_code > 0 and job.state != "COMPLETED":
-            update["exit_code"] = failures[0].exit_code  # the worker's own code (srun reports torchrun's 1 or a kill's 137)
+        if failures and job.state != "COMPLETED":
+            if failures[0].exit_code > 0:
+                update["exit_code"] = failures[0].exit_code  # the worker's own code (srun reports torchrun's 1 or a kill's 137)
+            elif "error" not in update:
+                update["error"] = f"the process was killed by {_signal_name(-failures[0].exit_code)}"
         self.last = job.model_copy(update=update)
         return self.last
 
@@ -362,6 +369,13 @@ class SlurmJobRun:
         if kind is not None and not self.finished:
             with contextlib.suppress(Exception):  # the original exception is the one to report
                 self.stop()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _int(text: str | None) -> int | None:

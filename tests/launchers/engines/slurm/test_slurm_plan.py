@@ -165,3 +165,27 @@ def test_the_handle_reads_new_output_lines_labelled_and_redacted_without_a_clust
         handle.write("ne\n")
     assert job.new_log_lines() == [("node 0", "half a line")]  # a node's own line (no rank prefix)
     assert job.new_log_lines() == []
+
+
+def test_a_rank_killed_by_a_signal_is_named_and_a_peers_stop_message_is_not_taken_for_its_cause(tmp_path):
+    """Seen on CI: rank 0 aborted (SIGABRT), srun then stopped node 1, whose torchrun wrote "got signal: 15"."""
+    from prefect_accelerate.launchers.engines.slurm.job import SlurmJob
+
+    out = tmp_path / "slurm-7.out"
+    table = ["Root Cause (first observed failure):", "[0]:", "  rank      : 0 (local_rank: 0)",
+             "  exitcode  : -6 (pid: 4202)  (SIGABRT)", "  traceback : Signal 6 (SIGABRT) received by PID 4202"]
+    out.write_text("\n".join([*(f"0: {line}" for line in table), "srun: error: n1: task 0: Exited with exit code 1",
+                              "1: SignalException: Process 4188 got signal: 15",
+                              "srun: error: n2: task 1: Exited with exit code 1", ""]))
+    (tmp_path / "error-node-1.json").write_text(
+        '{"message": {"message": "SignalException: Process 4188 got signal: 15", "errorCode": null}}')
+    job = SlurmJobRun("7", output_path=str(out), run_dir=str(tmp_path), output=lambda label, line: None)
+    for label, line in job.new_log_lines():
+        job.emit(label, line)  # as the job's follower does
+    job.last = SlurmJob(job_id="7", state="FAILED", exit_code=1)
+    result = job.result()
+    assert (result.failed_node, result.failed_node_rank, result.failed_rank) == ("n1", 0, 0)
+    assert result.error == "the process was killed by SIGABRT"
+    (tmp_path / "error-node-0.json").write_text('{"message": {"message": "RuntimeError: rank 0 broke", "errorCode": null}}')
+    del job._layout_found
+    assert job.result().error == "RuntimeError: rank 0 broke"  # the failing node's own file, when it wrote one
