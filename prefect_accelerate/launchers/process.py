@@ -21,6 +21,7 @@ import contextvars
 import dataclasses
 import os
 import secrets
+import select
 import signal
 import subprocess
 import sys
@@ -343,6 +344,7 @@ def start_plan(
 def _supervise(handle: LaunchHandle, timeout: float | None, grace: float) -> LaunchResult:
     process, tracker, launch_id, state, started = handle.process, handle.tracker, handle.launch_id, handle.state, handle.started
     timed_out = False
+    exited = _exit_notice(process)
     try:
         with sigterm_as_exception():
             deadline = None if not timeout else started + timeout
@@ -353,11 +355,26 @@ def _supervise(handle: LaunchHandle, timeout: float | None, grace: float) -> Lau
                 if deadline is not None and time.monotonic() >= deadline:
                     timed_out = True
                     break
-                time.sleep(POLL_SECONDS)
+                pause = POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic()))
+                if exited is None:
+                    time.sleep(pause)
+                else:
+                    select.select([exited], [], [], pause)  # wakes the moment the launcher exits
     finally:
+        if exited is not None:
+            os.close(exited)
         if not handle.finished:
             _finish(handle, grace)
     return _result(handle, timed_out)
+
+
+def _exit_notice(process: subprocess.Popen) -> int | None:
+    """A pidfd that turns readable when `process` exits (Linux 5.3+), so the wait loop ends at the exit instead of
+    up to a poll interval later; None where the kernel or Python has none (the loop then sleeps)."""
+    try:
+        return os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # no pidfd_open, or the process is already gone (poll() sees that)
+        return None
 
 
 def _finish(handle: LaunchHandle, grace: float) -> None:
