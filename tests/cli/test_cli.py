@@ -176,3 +176,38 @@ def test_output_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
     _, stderr = child.communicate(timeout=120)
     assert child.returncode == 141, stderr.decode()
     assert b"Traceback" not in stderr and b"BrokenPipe" not in stderr
+
+
+TEARDOWN_PROBE = """\
+import sys, types
+if sys.argv[2] == "prefect":
+    sys.modules.setdefault("prefect", types.ModuleType("prefect"))  # as after a command that imported Prefect
+
+
+class Witness:
+    def __del__(self):
+        print("interpreter teardown ran", flush=True)
+
+
+witness = Witness()
+sys.argv = ["prefect-accelerate", "config", "default", "--config_file", sys.argv[1]]
+from prefect_accelerate.cli.main import entrypoint
+entrypoint()
+"""
+
+
+def test_the_installed_command_skips_the_teardown_of_prefects_modules_after_its_exit_handlers(tmp_path):
+    """The console script must call `entrypoint` (which ends a command that imported Prefect with os._exit after the
+    last exit handler); `main` alone left 0.2 s of module teardown after every tracked launch."""
+    import tomllib
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["prefect-accelerate"] == "prefect_accelerate.cli.main:entrypoint"
+    config = tmp_path / "default.yaml"
+    done = subprocess.run([sys.executable, "-c", TEARDOWN_PROBE, str(config), "prefect"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert config.exists(), "the command did not run"
+    assert "interpreter teardown ran" not in done.stdout
+    without = subprocess.run([sys.executable, "-c", TEARDOWN_PROBE, str(tmp_path / "other.yaml"), "no prefect"], capture_output=True,
+                             text=True, timeout=120)
+    assert without.returncode == 0 and "interpreter teardown ran" in without.stdout, "the witness cannot see a teardown"
