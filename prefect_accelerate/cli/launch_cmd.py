@@ -173,41 +173,12 @@ def _training_first(options, plan, explicit: bool, quiet: bool):
         if url is None:
             lines.discard()
             return _untracked(options, plan, started=handle)
-        _import_behind_the_training()
+        from prefect_accelerate.flows.launch import launch_flow  # noqa: F401 - Prefect's import, while the training runs
+
         raise_if_stopped()  # a Ctrl-C that the import swallowed
         return _adopted_by_flow(url, options, plan, handle, lines, quiet)
     finally:
         handle.stop(options.grace_period)  # an interrupt came before anybody waited: nothing outlives us
-
-
-#: how many nice steps below the training the thread that imports Prefect while the training starts runs (19 at most)
-IMPORT_NICE = 10
-
-
-def _import_behind_the_training() -> None:
-    """Import Prefect (the launch flow's modules) in a thread of lower priority, so that on a busy machine the
-    starting training gets the CPU first and the import takes the time the training leaves idle. Only that thread
-    is deprioritised (Linux gives each thread its own nice value): the supervisor, the output reader and the
-    processes started later keep theirs. The main thread waits here, so Ctrl-C and SIGTERM still reach it."""
-    import threading
-
-    failure: list[BaseException] = []
-
-    def load() -> None:
-        with contextlib.suppress(OSError, AttributeError):  # a nice value we may not set is only slower
-            thread = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + IMPORT_NICE))
-        try:
-            from prefect_accelerate.flows.launch import launch_flow  # noqa: F401
-        except BaseException as error:  # raised again in the main thread, where it belongs
-            failure.append(error)
-
-    loader = threading.Thread(target=load, name="prefect-import", daemon=True)
-    loader.start()
-    while loader.is_alive():
-        loader.join(0.05)
-    if failure:
-        raise failure[0]
 
 
 def _server_while_training(search, handle, timeout: float | None) -> str | None:

@@ -1,5 +1,4 @@
-"""How a launch waits: the supervisor wakes when the launcher exits (a pidfd), not a poll interval later, and a
-tracked launch imports Prefect in a thread of lower priority than the training it just started."""
+"""How a launch waits: the supervisor wakes when the launcher exits (a pidfd), not a poll interval later."""
 
 from __future__ import annotations
 
@@ -7,11 +6,7 @@ import os
 import select
 import subprocess
 import sys
-import threading
 
-import pytest
-
-from prefect_accelerate.cli import launch_cmd
 from prefect_accelerate.launchers.process import _exit_notice
 
 
@@ -35,28 +30,3 @@ def test_a_process_already_reaped_gives_no_notice_and_the_loop_sleeps_instead():
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait()
     assert _exit_notice(process) is None
-
-
-def test_prefect_is_imported_by_a_deprioritised_thread_and_the_main_thread_keeps_its_priority(monkeypatch):
-    seen = []
-    real = os.setpriority
-
-    def recorded(which, who, value):
-        real(which, who, value)  # raising a thread's nice value needs no privilege
-        seen.append((who, os.getpriority(os.PRIO_PROCESS, who), threading.current_thread().name))
-
-    monkeypatch.setattr(os, "setpriority", recorded)
-    own = os.getpriority(os.PRIO_PROCESS, 0)  # Linux: the calling thread's own nice value
-    launch_cmd._import_behind_the_training()
-    assert len(seen) == 1
-    thread_id, nice, name = seen[0]
-    assert name == "prefect-import" and thread_id != threading.get_native_id()
-    assert nice == min(19, own + launch_cmd.IMPORT_NICE)
-    assert os.getpriority(os.PRIO_PROCESS, 0) == own, "the main thread (the supervisor's) was deprioritised"
-    assert "prefect_accelerate.flows.launch" in sys.modules
-
-
-def test_an_import_that_fails_in_the_thread_is_raised_in_the_main_thread(monkeypatch):
-    monkeypatch.setitem(sys.modules, "prefect_accelerate.flows.launch", None)  # import of it raises ImportError
-    with pytest.raises(ImportError):
-        launch_cmd._import_behind_the_training()
