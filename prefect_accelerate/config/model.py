@@ -171,13 +171,17 @@ def address_problem(value: str) -> str | None:
     """Why `value` is not a host name or an IP address (None when it is one).
 
     A host name is dot-separated labels of letters, digits, hyphens (not at either end) and underscores, at
-    most 253 characters; an IPv6 address may be written in brackets.
+    most 253 characters; an IPv6 address may be written in brackets. The value is taken as it is, with no
+    white space around it: the launch passes it on unchanged, so a `"10.0.0.1\n"` accepted here would reach
+    torchrun's --master_addr with its newline.
     """
     import ipaddress
 
-    text = value.strip()
-    if not text:
+    text = value
+    if not text.strip():
         return "it is empty"
+    if text != text.strip():
+        return "it has white space (a space, tab or line break) before or after it; remove it"
     with_brackets = text.startswith("[") and text.endswith("]")
     try:
         ipaddress.ip_address(text[1:-1] if with_brackets else text)
@@ -185,7 +189,7 @@ def address_problem(value: str) -> str | None:
     except ValueError:
         pass
     host = text[:-1] if text.endswith(".") else text
-    if len(host) <= 253 and all(_HOST_LABEL.match(label) for label in host.split(".")):
+    if len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in host.split(".")):  # `$` would allow a final newline
         return None
     return "it must be a host name (such as node-0 or node-0.cluster.local) or an IP address (such as 10.0.0.1)"
 
