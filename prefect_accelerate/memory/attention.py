@@ -24,7 +24,9 @@ Dropout differs too: CUDA runs the fused `native_dropout` kernel, which keeps a 
 dtype (4x the bytes in fp32). The stand-in runs the fused form.
 
 `cuda_kernels()` patches `torch.nn.functional.scaled_dot_product_attention` and `dropout` for the
-duration of the trace (transformers looks both up at call time) and records which kernels ran.
+duration of the trace (transformers looks both up at call time) and records which kernels ran. It also
+puts CUDA's autocast policy in place of CPU's (memory/autocast_rules.py): which ops run in fp32 under
+mixed precision decides the dtype of much of what backward keeps.
 """
 
 from __future__ import annotations
@@ -193,8 +195,10 @@ def cuda_kernels(force_flash: bool = False, capability: tuple[int, int] | None =
     import torch
     import torch.nn.functional as F  # noqa: N812
 
+    from prefect_accelerate.memory.autocast_rules import cuda_policy
+
     log = KernelLog(force_flash, current_target(capability))
-    with _PATCH_LOCK:
+    with _PATCH_LOCK, cuda_policy():
         original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
 
         def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001, ANN202
