@@ -243,7 +243,8 @@ class MeasuredPeak(_Frozen):
     what: str = Field(description="what the figures are, in words")
     torch: str = ""
     steps: int = 0
-    allocated_peak_bytes: int | None = Field(None, description="CUDA: torch.cuda.max_memory_allocated()")
+    allocated_peak_bytes: int | None = Field(
+        None, description="CUDA: torch.cuda.max_memory_allocated(); CPU: the peak of PyTorch's CPU allocator's own accounting")
     reserved_peak_bytes: int | None = Field(None, description="CUDA: torch.cuda.max_memory_reserved()")
     outside_allocator_bytes: int | None = Field(None, description="CUDA: device memory in use outside PyTorch's allocator")
     device_total_bytes: int | None = None
@@ -265,6 +266,8 @@ class MeasuredPeak(_Frozen):
                        f"{human_bytes(self.reserved_peak_bytes)}, outside the allocator {human_bytes(self.outside_allocator_bytes or 0)}")
         else:
             figures = f"peak RSS growth {human_bytes(self.rss_peak_growth_bytes or 0)}"
+            if self.allocated_peak_bytes is not None:
+                figures = f"allocated peak {human_bytes(self.allocated_peak_bytes)}, {figures}"
         head = "ran out of memory" if self.outcome == "out of memory" else f"{self.steps} training step(s)"
         return f"{head} on {self.device} (torch {self.torch}): {figures} [{self.what}]"
 
