@@ -11,7 +11,8 @@ Python kernel on the ``AutocastCPU`` key for the duration (`cuda_policy()`), whi
 kernel does (``WrapFunction_`` in aten/src/ATen/autocast_mode.h): cast every floating argument to the
 autocast dtype (lower_precision_fp) or to fp32 (fp32), set an unset ``dtype`` to fp32 when the first
 argument is floating (fp32_set_opt_dtype), append fp32 to ``norm`` (fp32_append_dtype), run in the widest
-dtype (promote), refuse ``binary_cross_entropy``; an op that only CPU lists runs as CUDA runs it, uncast.
+dtype (promote), refuse ``binary_cross_entropy``; an op that only CPU lists falls through as on CUDA, uncast,
+with autocast still on for the ops it is made of (``cross_entropy_loss`` -> ``log_softmax`` in fp32).
 Casts of fp32 leaf weights that require grad into the autocast dtype are made once per trace, as
 ``cached_cast``'s cache does (aten/src/ATen/autocast_mode.cpp). The casts are ordinary ``.to()`` calls made
 above autograd, so the tensors backward keeps are the cast ones, exactly as on the GPU.
@@ -169,8 +170,12 @@ def _kernel(name: str, policy: str) -> Any:
     dtype_index = next((i for i, arg in enumerate(op._schema.arguments) if arg.name == "dtype"), None)
     target = _overload(FP32_APPEND_DTYPE[name]) if policy == "fp32_append_dtype" else None
 
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         low = torch.get_autocast_dtype("cpu")
+        if policy == "as is" and getattr(_STATE, "tracing", False):
+            # CUDA registers nothing for it: a fallthrough, so the ops it is made of still meet autocast
+            # (cross_entropy_loss's log_softmax runs fp32_set_opt_dtype)
+            return op.redispatch(keyset.remove(DispatchKey.AutocastCPU), *args, **kwargs)
         with torch._C._ExcludeDispatchKeyGuard(below):
             if not getattr(_STATE, "tracing", False):  # another thread's CPU autocast meanwhile: widest dtype
                 cast = _cast_to(_widest(args, kwargs, low), low)
@@ -192,7 +197,7 @@ def _kernel(name: str, policy: str) -> Any:
                 return target(*args, **kwargs, dtype=torch.float32 if _eligible(first) else first.dtype)
             if policy == "banned":
                 raise RuntimeError(_BANNED_MESSAGE)
-            return op(*args, **kwargs)  # listed for CPU only: CUDA runs it as it comes
+            return op(*args, **kwargs)
 
     return run
 
@@ -214,7 +219,7 @@ def cuda_policy() -> Iterator[None]:
         library = torch.library.Library("aten", "IMPL")
         try:
             for name in names:
-                library.impl(name, _kernel(name, POLICIES.get(name, "as is")), "AutocastCPU")
+                library.impl(name, _kernel(name, POLICIES.get(name, "as is")), "AutocastCPU", with_keyset=True)
             _STATE.tracing, _STATE.cache = True, {}
             try:
                 yield

@@ -60,6 +60,32 @@ def test_under_the_cuda_policy_fp32_ops_upcast_and_matmuls_downcast_and_autograd
             F.binary_cross_entropy(torch.rand(4, requires_grad=True), torch.rand(4))
 
 
+def _saved_by_cross_entropy(policy) -> dict[str, object]:
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    logits = _bf16(6, 10)
+    with policy(), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(logits, torch.zeros(6, dtype=torch.long))
+    nll = loss.grad_fn
+    log_softmax = nll.next_functions[0][0]
+    while not hasattr(log_softmax, "_saved_result"):
+        log_softmax = log_softmax.next_functions[0][0]
+    return {"log_softmax keeps": log_softmax._saved_result.dtype, "nll_loss keeps": nll._saved_self.dtype}
+
+
+def test_an_op_only_cpu_lists_falls_through_so_the_ops_it_is_made_of_still_meet_cudas_policy():
+    """cross_entropy_loss has a CPU autocast kernel (fp32) and none on CUDA. There its composite calls
+    log_softmax with an explicit dtype, the logits' own, which fp32_set_opt_dtype respects, and nll_loss
+    (fp32) then keeps an fp32 copy of the 16-bit log-probabilities: both are kept for backward."""
+    import contextlib
+
+    import torch
+
+    assert _saved_by_cross_entropy(cuda_policy) == {"log_softmax keeps": torch.bfloat16, "nll_loss keeps": torch.float32}
+    assert _saved_by_cross_entropy(contextlib.nullcontext) == {"log_softmax keeps": torch.float32, "nll_loss keeps": torch.float32}
+
+
 def test_cpus_own_policy_is_back_after_the_trace():
     import torch
     import torch.nn.functional as F  # noqa: N812
