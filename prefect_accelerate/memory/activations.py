@@ -26,6 +26,7 @@ from typing import Any
 
 from prefect_accelerate.errors import EstimateError
 from prefect_accelerate.memory.attention import cuda_kernels
+from prefect_accelerate.memory.choices import UNKNOWN_AUTOCAST
 from prefect_accelerate.memory.models import ActivationProfile
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -252,6 +253,8 @@ def _kernel_detail(log: Any) -> str:
     parts += [f"head dim {a} padded to {b} for flash" for a, b in sorted(log.padded_head_dims)]
     if log.backward_bytes:
         parts.append("memory-efficient backward materializes the gradient of a mask that requires grad")
+    if log.unknown_autocast:
+        parts.append(f"{UNKNOWN_AUTOCAST}: {', '.join(sorted(log.unknown_autocast))} (run in fp32)")
     return "; ".join(parts)
 
 

@@ -176,6 +176,8 @@ class KernelLog:
         #: (memory-efficient's gradient of a mask that requires grad)
         self.backward_bytes = 0
         self.padded_head_dims: set[tuple[int, int]] = set()
+        #: ops CUDA autocasts by a policy we have not transcribed (run in fp32: memory/autocast_rules.py)
+        self.unknown_autocast: set[str] = set()
 
     def note(self, kernel: str, reasons: dict[str, str] | None = None) -> None:
         if kernel not in self.kernels:
@@ -198,7 +200,7 @@ def cuda_kernels(force_flash: bool = False, capability: tuple[int, int] | None =
     from prefect_accelerate.memory.autocast_rules import cuda_policy
 
     log = KernelLog(force_flash, current_target(capability))
-    with _PATCH_LOCK, cuda_policy():
+    with _PATCH_LOCK, cuda_policy() as log.unknown_autocast:
         original_sdpa, original_dropout = F.scaled_dot_product_attention, F.dropout
 
         def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001, ANN202

@@ -180,8 +180,13 @@ def _kernel(name: str, policy: str) -> Any:
             if not getattr(_STATE, "tracing", False):  # another thread's CPU autocast meanwhile: widest dtype
                 cast = _cast_to(_widest(args, kwargs, low), low)
                 return op(*_map_tensors(args, cast), **{k: _map_tensors(v, cast) for k, v in kwargs.items()})
-            if policy in ("lower_precision_fp", "fp32", "promote"):
-                dtype = {"lower_precision_fp": low, "fp32": torch.float32}.get(policy) or _widest(args, kwargs, low)
+            if policy == "unknown":  # CUDA autocasts it, but we have not transcribed how: fp32 keeps the most
+                _STATE.unknown.add(name)
+                policy_now = "fp32"
+            else:
+                policy_now = policy
+            if policy_now in ("lower_precision_fp", "fp32", "promote"):
+                dtype = {"lower_precision_fp": low, "fp32": torch.float32}.get(policy_now) or _widest(args, kwargs, low)
                 cast = _cast_to(dtype, low)
                 return op(*_map_tensors(args, cast), **{k: _map_tensors(v, cast) for k, v in kwargs.items()})
             if policy == "fp32_set_opt_dtype":
@@ -203,10 +208,12 @@ def _kernel(name: str, policy: str) -> Any:
 
 
 @contextlib.contextmanager
-def cuda_policy() -> Iterator[None]:
+def cuda_policy() -> Iterator[set[str]]:
     """While this thread traces: ops under ``torch.autocast("cpu")`` follow CUDA's autocast policy.
 
-    The caller holds the trace lock (memory/attention.py), so one registration is alive at a time.
+    Yields the set that collects the ops the trace met whose CUDA policy is not transcribed (a newer torch):
+    they run in fp32, which keeps the most, and the estimate names them. The caller holds the trace lock
+    (memory/attention.py), so one registration is alive at a time.
     """
     import warnings
 
@@ -219,10 +226,11 @@ def cuda_policy() -> Iterator[None]:
         library = torch.library.Library("aten", "IMPL")
         try:
             for name in names:
-                library.impl(name, _kernel(name, POLICIES.get(name, "as is")), "AutocastCPU", with_keyset=True)
-            _STATE.tracing, _STATE.cache = True, {}
+                policy = POLICIES.get(name, "unknown" if name in cuda else "as is")
+                library.impl(name, _kernel(name, policy), "AutocastCPU", with_keyset=True)
+            _STATE.tracing, _STATE.cache, _STATE.unknown = True, {}, set()
             try:
-                yield
+                yield _STATE.unknown
             finally:
                 _STATE.tracing, _STATE.cache = False, None
         finally:

@@ -36,3 +36,7 @@ ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
 #: CUDA allocator model adds (memory/fit.py, docs/memory.md "Fit verdict"). None by default: the
 #: allocator's needs are modelled, not guessed as a flat share.
 DEFAULT_RESERVE_FRACTION = 0.0
+
+#: Named in an estimate's attention detail when the trace met ops CUDA autocasts by a policy this package has not
+#: transcribed (memory/autocast_rules.py); memory/fit.py reads it as an unmodelled path.
+UNKNOWN_AUTOCAST = "CUDA autocast policy not transcribed for"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 
 from prefect_accelerate.errors import EstimateError, UsageError
-from prefect_accelerate.memory.choices import DEFAULT_RESERVE_FRACTION, DEEPSPEED_STRATEGIES, FSDP_STRATEGIES
+from prefect_accelerate.memory.choices import DEFAULT_RESERVE_FRACTION, DEEPSPEED_STRATEGIES, FSDP_STRATEGIES, UNKNOWN_AUTOCAST
 from prefect_accelerate.memory.models import EstimateOptions, FitVerdict, MeasuredPeak, MemoryEstimate, ModelProfile, Suggestion
 from prefect_accelerate.memory.strategies import device_breakdown
 from prefect_accelerate.memory.units import human_bytes, parse_memory_size
@@ -160,6 +160,8 @@ def unmodelled_paths(estimate: MemoryEstimate) -> list[str]:
         # modelled (padded copies of q, k, v), but issue 25's H200 report implies a peak ~16% above this estimate
         # for head dim 100, and no committed GPU measurement covers the path yet
         found.append("flash attention on a head dim padded to a multiple of 8 (not yet confirmed on a GPU)")
+    if acts is not None and UNKNOWN_AUTOCAST in acts.attention_detail:
+        found.append("ops whose CUDA autocast policy this package has not transcribed (traced in fp32)")
     config = estimate.source.config or {}
     if config.get("auto_map"):
         found.append("the model's own modeling code (config `auto_map`)")
