@@ -229,6 +229,7 @@ def trace_activations(
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
         largest_layer_tensor_bytes=recorder.largest_in_layers,
+        block_backward_peak_bytes=max(recorder.block_peak.values(), default=0),
         autocast_weight_copy_bytes=cast_total,
         cache_bytes=cache_all,
         cache_unsaved_bytes=cache_unsaved,
@@ -279,6 +280,8 @@ class _SavedTensorRecorder:
         self.saved_in: dict[int, int] = {}
         self.casts_in: dict[int, int] = {}
         self.inputs_of: dict[int, int] = {}
+        #: per block: the largest (bytes saved so far + 2 x the tensor just saved), in forward order
+        self.block_peak: dict[int, int] = {}
         self.current: int | None = None
         self.input_ids: set[int] = set()
 
@@ -304,13 +307,16 @@ class _SavedTensorRecorder:
         else:
             self.largest_in_layers = max(self.largest_in_layers, size)
             self.saved_in[self.current] += size
+            # when backward reaches the op that saved this, everything the block saved up to here is still held,
+            # and a gradient of this size (and the one it produces) is in flight
+            self.block_peak[self.current] = max(self.block_peak[self.current], self.saved_in[self.current] + 2 * size)
         return tensor
 
     def enter_layer(self, module: Any, args: tuple, kwargs: dict) -> None:
         if self.current is not None:
             return
         index = self.layer_index.setdefault(id(module), len(self.layer_index))
-        for table in (self.saved_in, self.casts_in, self.inputs_of):
+        for table in (self.saved_in, self.casts_in, self.inputs_of, self.block_peak):
             table.setdefault(index, 0)
         self.current = index
         # what activation checkpointing keeps of this block: its floating-point tensor inputs

@@ -138,6 +138,9 @@ class ActivationProfile(_Frozen):
     largest_tensor_bytes: int = 0
     largest_layer_tensor_bytes: int = Field(0, description="the largest tensor a block saves (its backward's temporaries "
                                                            "scale with it when a checkpointed block is recomputed)")
+    block_backward_peak_bytes: int = Field(0, description="what one block holds at the worst moment of its own backward: "
+                                           "the tensors it saved up to some op plus two of that op's size (its gradient "
+                                           "and the next), the largest over its ops in forward order; 0 when not traced")
     autocast_weight_copy_bytes: int = 0
     cache_bytes: int = Field(0, description="a KV cache the model's output holds (transformers' DynamicCache); the loop keeps it through the step")
     cache_unsaved_bytes: int = Field(0, description="the part of that cache that is not also saved for backward (alive from forward on)")

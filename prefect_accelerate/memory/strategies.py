@@ -94,7 +94,13 @@ def _optimizer_state_bytes(profile: ModelProfile, optimizer: str, flat: bool) ->
             "2 x (1 B + 4 B/256) per param (8-bit blockwise states), 8 B for tensors under 4096 elements")
 
 
-def _step_temporary(profile: ModelProfile, optimizer: str, local_params: float) -> tuple[float, str]:
+def _step_temporary(profile: ModelProfile, optimizer: str, local_params: float, device_type: str = "cuda") -> tuple[float, str]:
+    if optimizer in ("adam", "adamw") and device_type == "cpu":
+        # torch.optim's default (_default_to_fused_or_foreach in torch/optim/optimizer.py): foreach only when every
+        # parameter is on a device with foreach kernels (CUDA, XPU), else the per-tensor loop, whose
+        # `(exp_avg_sq.sqrt() / bias_correction2_sqrt)` briefly holds two copies of one tensor
+        return (8 * min(profile.largest_tensor_numel, local_params),
+                "torch's per-tensor Adam step on CPU: 2 fp32 temporaries of the largest tensor")
     if optimizer in ("adam", "adamw"):
         return 4 * local_params, "torch's foreach Adam step: one fp32 temporary per local parameter"
     if optimizer == "adafactor":
@@ -115,7 +121,7 @@ class _Layout(NamedTuple):
 def _ddp(profile: ModelProfile, options: EstimateOptions, opt: tuple[float, str], per_machine: int) -> _Layout:
     p_all, p = profile.parameters, profile.trainable_parameters
     n = options.num_processes
-    step, step_formula = _step_temporary(profile, options.optimizer, p)
+    step, step_formula = _step_temporary(profile, options.optimizer, p, options.device_type)
     return _Layout(
         device=[
             MemoryItem.of("parameters", "Parameters", 4 * p_all + profile.buffer_bytes, "4 B x P fp32 weights (+ buffers)"),
@@ -243,8 +249,12 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     by_key = {item.key: item.bytes for item in device}
     resident = sum(by_key.get(k, 0) for k in ("parameters", "optimizer_states", "gathered_layers", "communication_buffers"))
     forward_backward = by_key["activations"] + by_key["backward_temporaries"]
+    last_block = _last_block_phase(profile, options, by_key["gradients"])
+    if last_block > forward_backward:
+        notes.append(f"The peak of backward comes at its end: the first block ({'recomputed' if options.gradient_checkpointing else 'its saved tensors'}) "
+                     f"with every other block's gradients already made ({human_bytes(last_block)} besides the resident states).")
     step = by_key["gradients"] + by_key["step_temporaries"] + by_key["loop_outputs"]
-    total = resident + max(forward_backward, step)
+    total = resident + max(forward_backward, last_block, step)
     states = sum(by_key.get(k, 0) for k in ("parameters", "gradients", "optimizer_states", "gathered_layers"))
     cpu_total = sum(item.bytes for item in cpu)
     if mp and strategy not in DEEPSPEED_STRATEGIES:
@@ -262,6 +272,37 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
         cpu_items=cpu, cpu_per_machine_bytes=cpu_total, cpu_per_machine=human_bytes(cpu_total),
         activations_method=method, attention=_attention_label(profile.activations), notes=notes,
     )
+
+
+def _block_backward(acts: ActivationProfile) -> int:
+    """What one block holds at the worst moment of its own backward (the traced figure; older profiles: the bound
+    of every saved tensor plus two of the largest)."""
+    bound = max(acts.per_layer_bytes) + 2 * acts.largest_layer_tensor_bytes
+    return min(acts.block_backward_peak_bytes, bound) if acts.block_backward_peak_bytes else bound
+
+
+def _last_block_phase(profile: ModelProfile, options: EstimateOptions, gradients: float) -> float:
+    """What backward holds while it runs the first block, its last step: the tensors saved before the blocks,
+    the first block's own (recomputed under checkpointing) and the loop's outputs, that block's temporaries,
+    and the gradients of every parameter but that block's, which backward has already made.
+
+    Backward frees each block's saved tensors as it makes that block's gradients, so what it holds moves
+    linearly from its start (every activation, the head's gradients: the activations item) to this end;
+    the peak is at one of the two. Activations dwarf gradients in the usual case, but with checkpointing,
+    small batches or short sequences the end is the larger: gradients accumulate, activations do not.
+    """
+    acts = profile.activations
+    if acts is None or acts.method != "traced" or not acts.per_layer_bytes or profile.trainable_parameters <= 0:
+        return 0
+    scale = options.batch_size / acts.batch_size
+    blocks = len(acts.per_layer_bytes)
+    before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
+    first_block = _block_backward(acts)
+    if options.gradient_checkpointing:
+        first_block += acts.layer_input_bytes / blocks
+    held = (before + acts.retained_output_bytes + first_block) * scale
+    made = gradients * max(profile.trainable_parameters - profile.largest_unit_parameters, 0) / profile.trainable_parameters
+    return int(held + made)
 
 
 def _attention_label(acts: ActivationProfile | None) -> str:
@@ -322,13 +363,14 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
         # recomputed, its gradients); the head's saved tensors are freed before the first block is recomputed.
         before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
         head = acts.outside_after_layers_bytes + 2 * acts.largest_tensor_bytes
-        block = max(acts.per_layer_bytes) + 2 * acts.largest_layer_tensor_bytes
+        block = _block_backward(acts)
         phase = "what the head saves" if head >= block else "one block recomputed"
         kept = before + acts.layer_input_bytes + acts.retained_output_bytes + (
             acts.outside_after_layers_bytes if head >= block else max(acts.per_layer_bytes))
         if head < block:
-            backward = 2 * acts.largest_layer_tensor_bytes * scale
-            backward_formula = "2 x the largest activation of a block (its gradient and the next one)"
+            backward = max(block - max(acts.per_layer_bytes), 0) * scale
+            backward_formula = ("a block's backward at its worst op: 2 x that op's saved tensor (its gradient and the next "
+                                "one), less what the block saved after it, already freed")
         formula = (f"traced for {acts.input_description}, checkpointed: saved before the blocks + {len(acts.per_layer_bytes)} "
                    f"block inputs + outputs + {phase} (the larger backward phase: the head's, or one block's)")
     else:
