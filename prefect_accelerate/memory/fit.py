@@ -114,6 +114,11 @@ def check_fit(estimate: MemoryEstimate, device_memory: str | int | None = None,
     margin = UNMODELLED_MARGIN if unmodelled else AT_RISK_FRACTION
     safe_line = int(memory * margin)
     status = "does not fit" if headroom < 0 else "at risk" if headroom < safe_line else "fits"
+    acts = estimate.profile.activations
+    uncounted = estimate.options.activations and (acts is None or acts.method != "traced")
+    if status == "fits" and uncounted:
+        # no margin covers activations that were not counted at all: only a measurement can say "fits"
+        status = "at risk"
     counted = ", ".join(f"{item.label.lower()} {item.human}" for item in breakdown.device_items if item.bytes)
     # the largest allocated peak that stays clear of the at-risk line, for the changes we try
     target = int((usable - safe_line - CUDA_CONTEXT_BYTES) / (1 + ALLOCATOR_FRAGMENTATION))
@@ -124,6 +129,10 @@ def check_fit(estimate: MemoryEstimate, device_memory: str | int | None = None,
             f"{human_bytes(overhead)} for the allocator")
     if status == "fits":
         message = f"Fits: {need}, on {human_bytes(memory)} devices{kept}, headroom {human_bytes(headroom)}."
+    elif status == "at risk" and uncounted:
+        message = (f"At risk: {need}, on {human_bytes(memory)} devices{kept}, headroom {human_bytes(headroom)}, but that "
+                   f"counts no activations: they are not estimated for this model ({(acts.note if acts else '') or 'no trace was run'}), "
+                   "and no margin makes an unknown amount safe. `--measure` runs real steps and decides.")
     elif status == "at risk":
         why = (f"the {margin:.0%} margin an estimate needs where it meets paths it does not model ({'; '.join(unmodelled)})"
                if unmodelled else f"the {AT_RISK_FRACTION:.0%} margin that an estimate's error and the allocator's variation need")

@@ -88,6 +88,24 @@ def test_an_unmodelled_path_widens_the_margin_and_is_named_in_the_verdict(zoo):
     assert "does not model" in unsure.message and "auto_map" in unsure.message
 
 
+def test_activations_that_were_not_estimated_never_fit_on_any_margin(tmp_path):
+    """Whisper takes mel features, which the trace does not build: its activations are not counted, so even a
+    device a thousand times its model states is "at risk", never "fits"; real steps decide."""
+    import transformers
+
+    transformers.WhisperConfig(encoder_layers=1, decoder_layers=1, d_model=64, encoder_attention_heads=2,
+                               decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=500,
+                               max_source_positions=50, max_target_positions=64, num_mel_bins=16, pad_token_id=0,
+                               bos_token_id=0, eos_token_id=0, decoder_start_token_id=0,
+                               architectures=["WhisperForConditionalGeneration"]).save_pretrained(tmp_path)
+    est = _estimate(tmp_path)
+    assert est.profile.activations.method == "not estimated"
+    verdict = check_fit(est, est.breakdown.device_total_bytes * 1000)
+    assert verdict.status == "at risk" and not verdict.fits
+    assert "counts no activations" in verdict.message and "--measure" in verdict.message
+    assert check_fit(est, 1).status == "does not fit"  # too small stays too small
+
+
 def test_estimate_memory_measure_prints_the_measurement_and_exits_1_when_it_does_not_fit(zoo, capsys):
     from prefect_accelerate.cli.main import main
 
