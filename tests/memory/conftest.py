@@ -112,3 +112,41 @@ def cache_entry(hf_cache):
 def own_profile_cache(tmp_path, monkeypatch):
     """Each test its own estimate cache: a test must never be answered from another test's build and trace."""
     monkeypatch.setenv("PREFECT_ACCELERATE_PROFILE_CACHE", str(tmp_path / "memory-profiles"))
+
+
+def _train_and_measure(folder: Path, shape: dict) -> int:
+    """Build the model of a config folder with random weights, train 3 AdamW steps of Accelerate's example loop
+    in this process, and return the peak PyTorch's CPU allocator reported (memory/probe.py's recorder, the one
+    `--measure` uses on CPU). ``shape`` gives batch, seq, precision ("no"/"bf16") and checkpointing."""
+    import torch
+    import transformers
+
+    from prefect_accelerate.memory.probe import _allocation_recorder, allocation_peak
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    cls = getattr(transformers, config.architectures[0])
+    torch.manual_seed(0)
+    recorder = _allocation_recorder(torch)
+    with recorder:
+        model = cls._from_config(config).train()
+        if shape["checkpointing"]:
+            model.gradient_checkpointing_enable()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        ids = torch.randint(1, config.vocab_size, (shape["batch"], shape["seq"]))
+        inputs = {"input_ids": ids, "labels": ids}
+        if config.is_encoder_decoder:
+            inputs["decoder_input_ids"] = ids
+        out = None
+        for _ in range(3):  # `out` of the step before stays alive through the next forward, as in a loop
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=shape["precision"] == "bf16"):
+                out = model(**inputs)
+            out.loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        del out, model, optimizer
+    return allocation_peak(recorder)
+
+
+@pytest.fixture(scope="session")
+def train_and_measure():
+    return _train_and_measure

@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from prefect_accelerate.memory import EstimateOptions, estimate
-from prefect_accelerate.memory.probe import _allocation_recorder, allocation_peak
 
 FAMILIES = ("llama", "qwen2", "gpt2", "bert", "t5", "gpt_neox", "opt")
 
@@ -65,34 +64,6 @@ def _config(shape: dict):
                        word_embed_proj_dim=hidden, max_position_embeddings=256, architectures=["OPTForCausalLM"], **common)
 
 
-def _train_and_measure(folder: Path, shape: dict) -> int:
-    import torch
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(folder)
-    cls = getattr(transformers, config.architectures[0])
-    torch.manual_seed(0)
-    recorder = _allocation_recorder(torch)
-    with recorder:
-        model = cls._from_config(config).train()
-        if shape["checkpointing"]:
-            model.gradient_checkpointing_enable()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        ids = torch.randint(1, config.vocab_size, (shape["batch"], shape["seq"]))
-        inputs = {"input_ids": ids, "labels": ids}
-        if config.is_encoder_decoder:
-            inputs["decoder_input_ids"] = ids
-        out = None
-        for _ in range(3):  # `out` of the step before stays alive through the next forward, as in a loop
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=shape["precision"] == "bf16"):
-                out = model(**inputs)
-            out.loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        del out, model, optimizer
-    return allocation_peak(recorder)
-
-
 # no shrinking: each example trains a model, and the failing shape is printed whole
 @settings(max_examples=14, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
           phases=(Phase.explicit, Phase.generate))
@@ -105,7 +76,7 @@ def _train_and_measure(folder: Path, shape: dict) -> int:
 # added two of it on top of everything the block saved
 @example(shape={"family": "bert", "heads": 4, "head_dim": 16, "kv_heads": 2, "layers": 2, "mlp": 3, "vocab": 500,
                 "batch": 2, "seq": 128, "precision": "no", "checkpointing": True})
-def test_the_estimate_is_within_10_percent_of_real_training_on_random_shapes(shape):
+def test_the_estimate_is_within_10_percent_of_real_training_on_random_shapes(shape, train_and_measure):
     import warnings
 
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
@@ -114,6 +85,6 @@ def test_the_estimate_is_within_10_percent_of_real_training_on_random_shapes(sha
         est = estimate(folder, EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=shape["batch"],
                                                seq_len=shape["seq"], mixed_precision=shape["precision"],
                                                gradient_checkpointing=shape["checkpointing"], device_type="cpu"))
-        measured = _train_and_measure(Path(folder), shape)
+        measured = train_and_measure(Path(folder), shape)
     ratio = est.breakdown.device_total_bytes / measured
     assert 0.90 <= ratio <= 1.10, f"{shape}: estimate {est.breakdown.device_total_bytes} / measured {measured} = {ratio:.3f}"
