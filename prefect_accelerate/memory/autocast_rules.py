@@ -20,7 +20,7 @@ above autograd, so the tensors backward keeps are the cast ones, exactly as on t
 The lists are transcribed from the main branch's autocast_mode.h (the AT_FORALL_* macros) and
 autocast_mode.cpp (``TORCH_LIBRARY_IMPL(aten, Autocast, m)``: the cuDNN convolutions, the banned
 ``binary_cross_entropy``). Which ops the installed torch gives an ``AutocastCUDA`` kernel is asked from
-its dispatcher (`installed_cuda_ops`), and the tests hold the transcription to it, so a torch release that
+its dispatcher (`installed_autocast_ops`), and the tests hold the transcription to it, so a torch release that
 adds or drops an op shows up there. The registration is process-wide while it lasts (about as long as one
 trace): a thread that is not tracing and runs CPU autocast meanwhile gets the promote policy (each op in
 the widest dtype of its inputs), which is never less precise than CPU's own.
@@ -99,10 +99,6 @@ def installed_autocast_ops() -> tuple[frozenset[str], frozenset[str]]:
                 cpu.add(name)
         _op_names = (frozenset(cuda), frozenset(cpu))
     return _op_names
-
-
-def installed_cuda_ops() -> frozenset[str]:
-    return installed_autocast_ops()[0]
 
 
 def _overload(name: str) -> Any:
