@@ -36,7 +36,8 @@ SHALLOW_BLOCKS = 2
 SHALLOW_FROM = 8
 
 _SINGLE_LABEL_SUFFIXES = ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification", "ForMultipleChoice")
-_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+#: the first of these a config has bounds its tokens (max_target_positions: the decoder of a speech model)
+_POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_target_positions")
 
 
 def default_seq_len(config: Any) -> int:
@@ -51,6 +52,27 @@ def _position_limit(config: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def mel_frames(model: Any) -> int | None:
+    """Frames a speech encoder that takes channels-first mel features (``input_features`` of shape (batch,
+    num_mel_bins, frames), Whisper's layout) is given in training: its positions times the stride of its
+    convolutions, the one length its forward accepts (the feature extractor pads every clip to it).
+    None when the model is not of that kind."""
+    import torch
+
+    config = model.config
+    bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if model.main_input_name != "input_features" or not bins or not positions:
+        return None
+    encoder = model.get_encoder() if hasattr(model, "get_encoder") else model
+    convolutions = [m for m in encoder.modules() if isinstance(m, torch.nn.Conv1d)]
+    if not convolutions or convolutions[0].in_channels != bins:
+        return None
+    stride = 1
+    for conv in convolutions:
+        stride *= conv.stride[0]
+    return positions * stride
 
 
 def weight_dtype(precision_mode: str) -> str:
@@ -143,6 +165,10 @@ def trace_activations(
                 f"Use --seq_len {limit} or less."
             )
         description = f"{batch_size} sequence(s) of {used_seq} tokens"
+    elif mel_frames(model):
+        used_seq = seq_len or default_seq_len(config)
+        description = (f"{batch_size} clip(s) of {config.num_mel_bins} mel bins x {mel_frames(model)} frames, "
+                       f"{used_seq} target tokens")
     elif model.main_input_name == "pixel_values":
         image = _image_size(config)
         description = f"{batch_size} image(s) of {getattr(config, 'num_channels', 3)}x{image[0]}x{image[1]}"
@@ -430,7 +456,11 @@ def _transformers_inputs(model: Any, batch_size: int, seq_len: int | None) -> di
         if "labels" in accepts and single_label:
             inputs["labels"] = torch.zeros(batch_size, dtype=torch.long)
         return inputs
-    inputs = {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long)}
+    frames = mel_frames(model)
+    if frames:
+        inputs = {"input_features": torch.zeros(batch_size, config.num_mel_bins, frames, dtype=_float_dtype(model))}
+    else:
+        inputs = {"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long)}
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in accepts:
         inputs["decoder_input_ids"] = torch.zeros(batch_size, seq_len, dtype=torch.long)
     if "labels" in accepts and not name.endswith("ForQuestionAnswering"):

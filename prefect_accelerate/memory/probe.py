@@ -147,7 +147,7 @@ def _batch(spec: dict[str, Any], model: Any, device: Any, torch: Any) -> tuple[d
         size = tuple(model.pretrained_cfg.get("input_size") or (3, 224, 224))
         x = torch.randn(batch, *size, device=device, dtype=next(model.parameters()).dtype)
         return {"x": x}, torch.randint(0, model.num_classes, (batch,), device=device)
-    from prefect_accelerate.memory.activations import default_seq_len
+    from prefect_accelerate.memory.activations import default_seq_len, mel_frames
 
     config = model.config
     if model.main_input_name == "pixel_values":
@@ -159,6 +159,10 @@ def _batch(spec: dict[str, Any], model: Any, device: Any, torch: Any) -> tuple[d
     seq = options.get("seq_len") or default_seq_len(config)
     ids = torch.randint(1, config.vocab_size, (batch, seq), device=device)
     inputs = {"input_ids": ids, "labels": ids}
+    frames = mel_frames(model)
+    if frames:  # a speech encoder: mel features in, the transcript's tokens as labels
+        inputs = {"input_features": torch.randn(batch, config.num_mel_bins, frames, device=device,
+                                                dtype=next(model.parameters()).dtype), "labels": ids}
     if getattr(config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = ids
     return inputs, None

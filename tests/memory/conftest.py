@@ -121,6 +121,7 @@ def _train_and_measure(folder: Path, shape: dict) -> int:
     import torch
     import transformers
 
+    from prefect_accelerate.memory.activations import mel_frames
     from prefect_accelerate.memory.probe import _allocation_recorder, allocation_peak
 
     config = transformers.AutoConfig.from_pretrained(folder)
@@ -134,6 +135,9 @@ def _train_and_measure(folder: Path, shape: dict) -> int:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         ids = torch.randint(1, config.vocab_size, (shape["batch"], shape["seq"]))
         inputs = {"input_ids": ids, "labels": ids}
+        frames = mel_frames(model)
+        if frames:
+            inputs = {"input_features": torch.randn(shape["batch"], config.num_mel_bins, frames), "labels": ids}
         if config.is_encoder_decoder:
             inputs["decoder_input_ids"] = ids
         out = None

@@ -88,17 +88,44 @@ def test_an_unmodelled_path_widens_the_margin_and_is_named_in_the_verdict(zoo):
     assert "does not model" in unsure.message and "auto_map" in unsure.message
 
 
-def test_activations_that_were_not_estimated_never_fit_on_any_margin(tmp_path):
-    """Whisper takes mel features, which the trace does not build: its activations are not counted, so even a
-    device a thousand times its model states is "at risk", never "fits"; real steps decide."""
+def _whisper(folder):
     import transformers
 
-    transformers.WhisperConfig(encoder_layers=1, decoder_layers=1, d_model=64, encoder_attention_heads=2,
+    transformers.WhisperConfig(encoder_layers=2, decoder_layers=2, d_model=64, encoder_attention_heads=2,
                                decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=500,
                                max_source_positions=50, max_target_positions=64, num_mel_bins=16, pad_token_id=0,
                                bos_token_id=0, eos_token_id=0, decoder_start_token_id=0,
-                               architectures=["WhisperForConditionalGeneration"]).save_pretrained(tmp_path)
-    est = _estimate(tmp_path)
+                               architectures=["WhisperForConditionalGeneration"]).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_a_speech_model_is_traced_on_mel_frames_of_the_length_its_encoder_takes_and_matches_real_training(
+        tmp_path, precision, train_and_measure):
+    """Whisper: mel features (batch, bins, positions x the convolutions' strides) in, the transcript as labels."""
+    est = estimate(str(_whisper(tmp_path)), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=2, seq_len=32,
+                                                            mixed_precision=precision, device_type="cpu"))
+    acts = est.profile.activations
+    assert acts.method == "traced", acts.note
+    assert acts.input_description == "2 clip(s) of 16 mel bins x 100 frames, 32 target tokens"
+    measured = train_and_measure(tmp_path, {"batch": 2, "seq": 32, "precision": precision, "checkpointing": False})
+    assert 0.90 <= est.breakdown.device_total_bytes / measured <= 1.10, (est.breakdown.device_total, measured)
+
+
+def test_the_probe_trains_a_speech_model_too(tmp_path):
+    est = estimate(str(_whisper(tmp_path)), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=2, seq_len=32))
+    measured = measure(est, device="cpu")
+    assert measured.outcome == "ok", measured.error
+    assert measured.allocated_peak_bytes > est.profile.parameters * 4
+
+
+def test_activations_that_were_not_estimated_never_fit_on_any_margin(tmp_path, monkeypatch):
+    """A model whose forward the trace cannot run has no activations counted, so even a device a thousand times
+    its model states is "at risk", never "fits"; real steps decide."""
+    from prefect_accelerate.memory import activations
+
+    monkeypatch.setattr(activations, "mel_frames", lambda model: None)  # the trace no longer builds its inputs
+    est = _estimate(_whisper(tmp_path))
     assert est.profile.activations.method == "not estimated"
     verdict = check_fit(est, est.breakdown.device_total_bytes * 1000)
     assert verdict.status == "at risk" and not verdict.fits
