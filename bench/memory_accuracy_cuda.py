@@ -115,11 +115,11 @@ def measure_one(case: dict, steps: int) -> dict:  # pragma: no cover - CUDA mach
         model = build_model(case, "cuda")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         batch = batch_for(case, model, "cuda")
-        out = None
+        kept: dict = {}  # the loop's `outputs`: alive until the next forward replaces them
         for _ in range(steps):
-            out = train_step(case, model, optimizer, batch, "cuda")  # kept until the next step replaces it
+            train_step(case, model, optimizer, batch, "cuda", kept)
         torch.cuda.synchronize()
-        del out
+        kept.clear()
         result.update(outcome="ok", allocated_peak_gib=torch.cuda.max_memory_allocated() / GIB,
                       reserved_peak_gib=torch.cuda.max_memory_reserved() / GIB)
         attention = getattr(getattr(model, "config", None), "_attn_implementation", None)

@@ -27,6 +27,7 @@ from typing import Any
 from prefect_accelerate.errors import EstimateError
 from prefect_accelerate.memory.attention import cuda_kernels
 from prefect_accelerate.memory.choices import UNKNOWN_AUTOCAST
+from prefect_accelerate.memory.measured import mel_frames
 from prefect_accelerate.memory.models import ActivationProfile
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -52,27 +53,6 @@ def _position_limit(config: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-def mel_frames(model: Any) -> int | None:
-    """Frames a speech encoder that takes channels-first mel features (``input_features`` of shape (batch,
-    num_mel_bins, frames), Whisper's layout) is given in training: its positions times the stride of its
-    convolutions, the one length its forward accepts (the feature extractor pads every clip to it).
-    None when the model is not of that kind."""
-    import torch
-
-    config = model.config
-    bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
-    if model.main_input_name != "input_features" or not bins or not positions:
-        return None
-    encoder = model.get_encoder() if hasattr(model, "get_encoder") else model
-    convolutions = [m for m in encoder.modules() if isinstance(m, torch.nn.Conv1d)]
-    if not convolutions or convolutions[0].in_channels != bins:
-        return None
-    stride = 1
-    for conv in convolutions:
-        stride *= conv.stride[0]
-    return positions * stride
 
 
 def weight_dtype(precision_mode: str) -> str:

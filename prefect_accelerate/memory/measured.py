@@ -77,8 +77,9 @@ def build_model(case: dict[str, Any], device: str) -> Any:
     return model.train()
 
 
-def batch_for(case: dict[str, Any], model: Any, device: str) -> dict[str, Any]:
-    """Inputs and labels of the case's batch, as the training loop passes them."""
+def batch_for(case: dict[str, Any], model: Any, device: Any) -> dict[str, Any]:
+    """Inputs and labels of the case's batch, as the training loop passes them: token ids (the labels too), or
+    for a speech model mel features of the length its encoder takes with the transcript's tokens as labels."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -88,13 +89,45 @@ def batch_for(case: dict[str, Any], model: Any, device: str) -> dict[str, Any]:
                 "y": torch.randint(0, model.num_classes, (case["batch_size"],), generator=generator).to(device)}
     ids = torch.randint(1, model.config.vocab_size, (case["batch_size"], case["seq_len"]), generator=generator).to(device)
     inputs = {"input_ids": ids, "labels": ids}
+    frames = mel_frames(model)
+    if frames:
+        features = torch.randn(case["batch_size"], model.config.num_mel_bins, frames, generator=generator)
+        inputs = {"input_features": features.to(device, next(model.parameters()).dtype), "labels": ids}
     if getattr(model.config, "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = ids
     return inputs
 
 
-def train_step(case: dict[str, Any], model: Any, optimizer: Any, batch: dict[str, Any], device_type: str) -> Any:
-    """One step of Accelerate's example loop; returns the outputs, which the caller keeps until the next step."""
+def mel_frames(model: Any) -> int | None:
+    """Frames a speech encoder that takes channels-first mel features (``input_features`` of shape (batch,
+    num_mel_bins, frames), Whisper's layout) is given in training: its positions times the stride of its
+    convolutions, the one length its forward accepts (the feature extractor pads every clip to it).
+    None when the model is not of that kind."""
+    import torch
+
+    config = model.config
+    bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if model.main_input_name != "input_features" or not bins or not positions:
+        return None
+    encoder = model.get_encoder() if hasattr(model, "get_encoder") else model
+    convolutions = [m for m in encoder.modules() if isinstance(m, torch.nn.Conv1d)]
+    if not convolutions or convolutions[0].in_channels != bins:
+        return None
+    stride = 1
+    for conv in convolutions:
+        stride *= conv.stride[0]
+    return positions * stride
+
+
+def train_step(case: dict[str, Any], model: Any, optimizer: Any, batch: dict[str, Any], device_type: str,
+               kept: dict[str, Any] | None = None) -> Any:
+    """One step of Accelerate's example loop; returns the outputs.
+
+    The loop's `outputs = model(**batch)` keeps the step's outputs until the next forward replaces them,
+    through backward and the optimizer step. Pass the same ``kept`` dict every step to do exactly that: the
+    new outputs replace the old ones there as soon as the forward returns. A caller that instead holds the
+    returned outputs in its own variable keeps two steps' outputs through the whole next step.
+    """
     import torch
 
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=case["mixed_precision"] == "bf16"):
@@ -105,6 +138,8 @@ def train_step(case: dict[str, Any], model: Any, optimizer: Any, batch: dict[str
         else:
             out = model(**batch)
             loss = out.loss
+    if kept is not None:
+        kept["outputs"] = out
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

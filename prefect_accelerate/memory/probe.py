@@ -147,7 +147,7 @@ def _batch(spec: dict[str, Any], model: Any, device: Any, torch: Any) -> tuple[d
         size = tuple(model.pretrained_cfg.get("input_size") or (3, 224, 224))
         x = torch.randn(batch, *size, device=device, dtype=next(model.parameters()).dtype)
         return {"x": x}, torch.randint(0, model.num_classes, (batch,), device=device)
-    from prefect_accelerate.memory.activations import default_seq_len, mel_frames
+    from prefect_accelerate.memory.activations import default_seq_len
 
     config = model.config
     if model.main_input_name == "pixel_values":
@@ -156,16 +156,10 @@ def _batch(spec: dict[str, Any], model: Any, device: Any, torch: Any) -> tuple[d
         pixels = torch.randn(batch, getattr(config, "num_channels", 3), *_image_size(config), device=device,
                              dtype=next(model.parameters()).dtype)
         return {"pixel_values": pixels, "labels": torch.zeros(batch, dtype=torch.long, device=device)}, None
-    seq = options.get("seq_len") or default_seq_len(config)
-    ids = torch.randint(1, config.vocab_size, (batch, seq), device=device)
-    inputs = {"input_ids": ids, "labels": ids}
-    frames = mel_frames(model)
-    if frames:  # a speech encoder: mel features in, the transcript's tokens as labels
-        inputs = {"input_features": torch.randn(batch, config.num_mel_bins, frames, device=device,
-                                                dtype=next(model.parameters()).dtype), "labels": ids}
-    if getattr(config, "is_encoder_decoder", False):
-        inputs["decoder_input_ids"] = ids
-    return inputs, None
+    from prefect_accelerate.memory.measured import batch_for
+
+    case = {"library": "transformers", "batch_size": batch, "seq_len": options.get("seq_len") or default_seq_len(config)}
+    return batch_for(case, model, device), None
 
 
 def _optimizer(name: str, params: Any, torch: Any) -> Any:
@@ -208,7 +202,7 @@ def _run_probe(spec: dict[str, Any]) -> dict[str, Any]:
         # start the intra-op thread pool now: its thread stacks are address space too, and the cap below is for the model
         torch.ones(1 << 20).mul_(2).sum()
         # the allocation recorder starts before the cap too: the profiler starts threads of its own
-        recorder = _allocation_recorder(torch)
+        recorder = allocation_recorder()
         recorder.__enter__()
         # cap the address space: an allocation past the budget fails in this process instead of the machine swapping.
         # The budget is the device memory given, but never more than this machine has free: past that, running out
@@ -274,7 +268,7 @@ def _run_probe(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _allocation_recorder(torch: Any) -> Any:
+def allocation_recorder() -> Any:
     """A profiler that records only what the CPU allocator reports: each allocation and free, with its size."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -121,33 +121,25 @@ def _train_and_measure(folder: Path, shape: dict) -> int:
     import torch
     import transformers
 
-    from prefect_accelerate.memory.activations import mel_frames
-    from prefect_accelerate.memory.probe import _allocation_recorder, allocation_peak
+    from prefect_accelerate.memory.measured import batch_for, train_step
+    from prefect_accelerate.memory.probe import allocation_peak, allocation_recorder
 
     config = transformers.AutoConfig.from_pretrained(folder)
     cls = getattr(transformers, config.architectures[0])
+    case = {"library": "transformers", "batch_size": shape["batch"], "seq_len": shape["seq"],
+            "mixed_precision": shape["precision"]}
     torch.manual_seed(0)
-    recorder = _allocation_recorder(torch)
+    recorder = allocation_recorder()
     with recorder:
         model = cls._from_config(config).train()
         if shape["checkpointing"]:
             model.gradient_checkpointing_enable()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        ids = torch.randint(1, config.vocab_size, (shape["batch"], shape["seq"]))
-        inputs = {"input_ids": ids, "labels": ids}
-        frames = mel_frames(model)
-        if frames:
-            inputs = {"input_features": torch.randn(shape["batch"], config.num_mel_bins, frames), "labels": ids}
-        if config.is_encoder_decoder:
-            inputs["decoder_input_ids"] = ids
-        out = None
-        for _ in range(3):  # `out` of the step before stays alive through the next forward, as in a loop
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=shape["precision"] == "bf16"):
-                out = model(**inputs)
-            out.loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        del out, model, optimizer
+        batch = batch_for(case, model, "cpu")
+        kept: dict = {}  # the loop's `outputs`: the step before's stay alive through the next forward
+        for _ in range(3):
+            train_step(case, model, optimizer, batch, "cpu", kept)
+        del kept, model, optimizer
     return allocation_peak(recorder)
 
 

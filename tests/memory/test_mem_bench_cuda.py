@@ -78,3 +78,30 @@ def test_every_grid_case_describes_a_config_transformers_accepts():
             assert config.architectures, case["name"]
             if "hd" in case["name"]:  # the odd head dims the grid exists to measure
                 assert (config.hidden_size // config.num_attention_heads) % 8, case["name"]
+
+
+def test_the_measuring_loop_keeps_one_steps_outputs_as_accelerates_loop_does():
+    """`outputs = model(**batch)`: the step before's outputs die when the next forward returns, before backward."""
+    import gc
+    import weakref
+
+    from prefect_accelerate.memory.measured import batch_for, build_model, train_step
+
+    case = {"name": "tiny", "library": "transformers", "mixed_precision": "no", "batch_size": 2, "seq_len": 8,
+            "config": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 16, "num_hidden_layers": 1,
+                       "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 32}}
+    import torch
+
+    model = build_model(case, "cpu")
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = batch_for(case, model, "cpu")
+    kept: dict = {}
+    train_step(case, model, optimizer, batch, "cpu", kept)
+    first = weakref.ref(kept["outputs"].logits)
+    seen_during_backward = []
+    hook = model.lm_head.register_full_backward_hook(lambda *args: seen_during_backward.append(first() is not None))
+    train_step(case, model, optimizer, batch, "cpu", kept)
+    hook.remove()
+    gc.collect()
+    assert seen_during_backward == [False]  # gone before the second step's backward
+    assert first() is None and kept["outputs"].logits is not None
