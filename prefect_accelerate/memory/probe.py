@@ -74,9 +74,14 @@ def measure(estimate: MemoryEstimate, *, device: str = "auto", steps: int = DEFA
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec))
         env = {**os.environ, "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+        from prefect_accelerate.launchers.reaper import parent_death_hook
+
         try:
+            # the launcher's parent-death signal: a kill -9 of this process ends the probe too (Ctrl-C, SIGTERM and
+            # the timeout kill it through subprocess.run)
             child = subprocess.run([sys.executable, "-m", "prefect_accelerate.memory.probe", str(spec_file)],
-                                   capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True)
+                                   capture_output=True, text=True, timeout=timeout, env=env, start_new_session=True,
+                                   preexec_fn=parent_death_hook())
         except subprocess.TimeoutExpired:
             return MeasuredPeak(outcome="failed", device="?", what="nothing", error=f"the probe ran past {timeout:.0f} s and was stopped")
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]

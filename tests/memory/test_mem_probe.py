@@ -242,3 +242,41 @@ def test_the_cpu_estimate_is_within_10_percent_of_the_allocators_measured_peak_o
     measured = train_and_measure(tmp_path, {"batch": 4, "seq": 128, "precision": precision, "checkpointing": checkpointing})
     ratio = est.breakdown.device_total_bytes / measured
     assert 0.90 <= ratio <= 1.10, f"{case}: estimate {est.breakdown.device_total} / measured {measured / MIB:.2f} MiB = {ratio:.3f}"
+
+
+def test_a_kill_9_of_the_command_ends_the_probe_too(zoo, tmp_path):
+    """The probe runs in a child of its own session; the launcher's parent-death signal ends it when the command
+    that started it is killed with -9 (no handler runs then)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    script = tmp_path / "measure_forever.py"
+    script.write_text(
+        "import sys\n"
+        "from prefect_accelerate.memory import EstimateOptions, estimate\n"
+        "from prefect_accelerate.memory.probe import measure\n"
+        f"est = estimate({str(zoo['tiny-gpt2'])!r}, EstimateOptions(strategy='ddp', seq_len=32, batch_size=2))\n"
+        "measure(est, device='cpu', steps=10**9)\n"
+    )
+    command = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    probe = None
+    try:
+        deadline = time.monotonic() + 120
+        while probe is None and time.monotonic() < deadline and command.poll() is None:
+            probe = next((p for p in psutil.Process(command.pid).children() if "memory.probe" in " ".join(p.cmdline())), None)
+            time.sleep(0.2)
+        assert probe is not None, "the probe never started"
+        os.kill(command.pid, signal.SIGKILL)
+        command.wait()
+        gone, alive = psutil.wait_procs([probe], timeout=15)
+        assert not alive, f"probe {probe.pid} outlived the command"
+    finally:
+        if command.poll() is None:
+            command.kill()
+        if probe is not None and probe.is_running():  # a failed assertion leaves nothing behind either
+            probe.kill()
