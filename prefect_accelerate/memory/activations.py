@@ -181,6 +181,7 @@ def trace_activations(
                     result = model(**_transformers_inputs(model, batch_size, used_seq))
                     outputs = list(_tensors_in(result))
                     cache = list(_cache_tensors(result))
+                    loss = result.get("loss") if isinstance(result, dict) else getattr(result, "loss", None)
     except EstimateError:
         raise
     except Exception as error:  # data-dependent control flow, unsupported ops, custom code
@@ -211,6 +212,8 @@ def trace_activations(
             retained += _nbytes(base)
             recorder.largest = max(recorder.largest, _nbytes(base))
     count = len(recorder.layer_index)
+    measured = _measure_block_backward(loss, recorder, mode)  # last: it frees the graph
+    block_peak = max(measured.values()) if count and len(measured) == count else max(recorder.block_peak.values(), default=0)
     per_layer = [recorder.saved_in[i] for i in range(count)]
     inputs = [recorder.inputs_of[i] for i in range(count)]
     casts = [recorder.casts_in[i] for i in range(count)]
@@ -235,7 +238,9 @@ def trace_activations(
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
         largest_layer_tensor_bytes=recorder.largest_in_layers,
-        block_backward_peak_bytes=max(recorder.block_peak.values(), default=0),
+        block_backward_peak_bytes=block_peak,
+        block_backward_measured=bool(count) and len(measured) == count,
+        block_saved_input_bytes=min((recorder.saved_inputs_in[i] for i in range(count)), default=0),
         autocast_weight_copy_bytes=cast_total,
         cache_bytes=cache_all,
         cache_unsaved_bytes=cache_unsaved,
@@ -290,6 +295,13 @@ class _SavedTensorRecorder:
         self.block_peak: dict[int, int] = {}
         self.current: int | None = None
         self.input_ids: set[int] = set()
+        #: per block: the tensor its backward starts from (its output's gradient) and ends at (its input's)
+        self.block_out: dict[int, Any] = {}
+        self.block_in: dict[int, Any] = {}
+        #: per block: ids of its tensor inputs, and the bytes of them it saves itself (checkpointing keeps those
+        #: as the block's inputs; recomputing the block does not make them again)
+        self.own_inputs: dict[int, set[int]] = {}
+        self.saved_inputs_in: dict[int, int] = {}
 
     def pack(self, tensor: Any) -> Any:
         base = tensor._base if tensor._base is not None else tensor
@@ -313,6 +325,8 @@ class _SavedTensorRecorder:
         else:
             self.largest_in_layers = max(self.largest_in_layers, size)
             self.saved_in[self.current] += size
+            if key in self.own_inputs.get(self.current, ()):
+                self.saved_inputs_in[self.current] += size
             # when backward reaches the op that saved this, everything the block saved up to here is still held,
             # and a gradient of this size (and the one it produces) is in flight
             self.block_peak[self.current] = max(self.block_peak[self.current], self.saved_in[self.current] + 2 * size)
@@ -322,12 +336,16 @@ class _SavedTensorRecorder:
         if self.current is not None:
             return
         index = self.layer_index.setdefault(id(module), len(self.layer_index))
-        for table in (self.saved_in, self.casts_in, self.inputs_of, self.block_peak):
+        for table in (self.saved_in, self.casts_in, self.inputs_of, self.block_peak, self.saved_inputs_in):
             table.setdefault(index, 0)
         self.current = index
         # what activation checkpointing keeps of this block: its floating-point tensor inputs
         for value in list(args) + list(kwargs.values()):
             for tensor in _tensors_in(value):
+                base = tensor._base if tensor._base is not None else tensor
+                self.own_inputs.setdefault(index, set()).add(id(base))
+                if tensor.requires_grad and tensor.is_floating_point():
+                    self.block_in.setdefault(index, tensor)
                 key = id(tensor)
                 if key not in self.input_ids and key not in self.params and tensor.is_floating_point():
                     self.input_ids.add(key)
@@ -336,7 +354,109 @@ class _SavedTensorRecorder:
 
     def leave_layer(self, module: Any, args: tuple, output: Any) -> None:
         if self.layer_index.get(id(module)) == self.current:
+            first = next((t for t in _tensors_in(output) if t.requires_grad and t.is_floating_point()), None)
+            if first is not None:
+                self.block_out[self.current] = first
             self.current = None
+
+
+def _measure_block_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any) -> dict[int, int]:
+    """Run backward on the fake graph and measure, per block, the most its own backward holds at once.
+
+    That is the block's saved tensors, the gradient it starts from and the largest rise of live memory while
+    its backward runs: every tensor its backward code makes (a custom autograd Function's own arithmetic, the
+    math attention's score gradients, the weights' gradients), less its saved tensors as backward frees them.
+    Fake tensors allocate nothing, so what is live is counted by storage (`_LiveBytes`). Blocks whose
+    backward could not be followed are left out; the caller then keeps the forward's bound. The graph is
+    freed afterwards, as a real backward frees it.
+    """
+    import torch
+
+    if loss is None or not getattr(loss, "requires_grad", False) or not recorder.block_out:
+        return {}
+    meter = _LiveBytes()
+    for tensor in recorder.keep:  # what forward saved: alive when backward starts, freed as it goes
+        meter.track(tensor)
+    for index, tensor in recorder.block_out.items():
+        tensor.register_hook(lambda grad, index=index: meter.enter(index, grad))
+    for index, tensor in recorder.block_in.items():
+        tensor.register_hook(lambda grad, index=index: meter.leave(index))
+    recorder.keep.clear()
+    recorder.block_out.clear()
+    recorder.block_in.clear()
+    try:
+        with mode, meter:
+            loss.backward()
+    except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: the forward's bound stands
+        return {}
+    return {index: recorder.saved_in[index] + rise for index, rise in meter.rises.items()}
+
+
+class _LiveBytes:
+    """Counts the bytes of live tensor storage while backward runs on fake tensors (a dispatch mode).
+
+    Each storage is counted once, from the op that made it (or from the start, for what forward saved) until
+    Python frees it, as the allocator would see it; an op that writes into one of its inputs adds nothing.
+    `enter` and `leave` bracket one block's backward (hooks on its output and its input): ``rises[block]``
+    is the gradient it started from plus the most live memory rose above its start meanwhile.
+    """
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        meter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+                out = func(*args, **(kwargs or {}))
+                meter.made(args, kwargs, out)
+                return out
+
+        self._mode = _Mode()
+        self.live = 0
+        self._finalizers: dict[int, Any] = {}
+        self._open: dict[int, list[int]] = {}  # block -> [live at its start, highest live since]
+        self.rises: dict[int, int] = {}
+
+    def __enter__(self) -> _LiveBytes:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    def track(self, tensor: Any) -> None:
+        import weakref
+
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        if key in self._finalizers:
+            return
+        size = storage.nbytes()
+        self.live += size
+        self._finalizers[key] = weakref.finalize(storage, self._freed, key, size)
+        for mark in self._open.values():
+            mark[1] = max(mark[1], self.live)
+
+    def _freed(self, key: int, size: int) -> None:
+        self.live -= size
+        self._finalizers.pop(key, None)
+
+    def made(self, args: Any, kwargs: Any, out: Any) -> None:
+        inputs = {id(t.untyped_storage()) for t in _tensors_in(list(args) + list((kwargs or {}).values()))}
+        for tensor in _tensors_in(out):
+            if id(tensor.untyped_storage()) not in inputs:
+                self.track(tensor)
+
+    def enter(self, index: int, grad: Any) -> None:
+        if index not in self._open and index not in self.rises:
+            self._open[index] = [self.live, self.live, _nbytes(grad)]
+
+    def leave(self, index: int) -> None:
+        mark = self._open.pop(index, None)
+        if mark is not None:
+            start, highest, grad = mark
+            self.rises[index] = grad + highest - start
 
 
 def _cache_tensors(output: Any) -> Iterator[Any]:

@@ -141,6 +141,12 @@ class ActivationProfile(_Frozen):
     block_backward_peak_bytes: int = Field(0, description="what one block holds at the worst moment of its own backward: "
                                            "the tensors it saved up to some op plus two of that op's size (its gradient "
                                            "and the next), the largest over its ops in forward order; 0 when not traced")
+    block_backward_measured: bool = Field(False, description="block_backward_peak_bytes was measured by running backward "
+                                          "on the fake tensors (every temporary the block's own backward code makes, its "
+                                          "weights' gradients, its saved tensors freed as it goes) rather than bounded")
+    block_saved_input_bytes: int = Field(0, description="the part of a block's saved tensors that are its own inputs (the "
+                                         "residual stream its first norm saves), the least over blocks: checkpointing "
+                                         "keeps them as the block's inputs already, and recomputing makes no copy")
     autocast_weight_copy_bytes: int = 0
     cache_bytes: int = Field(0, description="a KV cache the model's output holds (transformers' DynamicCache); the loop keeps it through the step")
     cache_unsaved_bytes: int = Field(0, description="the part of that cache that is not also saved for backward (alive from forward on)")

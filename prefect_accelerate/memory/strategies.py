@@ -275,8 +275,11 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
 
 
 def _block_backward(acts: ActivationProfile) -> int:
-    """What one block holds at the worst moment of its own backward (the traced figure; older profiles: the bound
-    of every saved tensor plus two of the largest)."""
+    """What one block holds at the worst moment of its own backward: measured by a backward on the fake tensors
+    when it ran (never capped: a block's own backward code can make more temporaries than any rule assumes),
+    else the forward's figure, at most every saved tensor plus two of the largest."""
+    if acts.block_backward_measured and acts.block_backward_peak_bytes:
+        return acts.block_backward_peak_bytes
     bound = max(acts.per_layer_bytes) + 2 * acts.largest_layer_tensor_bytes
     return min(acts.block_backward_peak_bytes, bound) if acts.block_backward_peak_bytes else bound
 
@@ -299,7 +302,8 @@ def _last_block_phase(profile: ModelProfile, options: EstimateOptions, gradients
     before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
     first_block = _block_backward(acts)
     if options.gradient_checkpointing:
-        first_block += acts.layer_input_bytes / blocks
+        # its input is kept by checkpointing; the recomputed block does not hold a second copy of it
+        first_block += max(acts.layer_input_bytes / blocks - acts.block_saved_input_bytes, 0)
     held = (before + acts.retained_output_bytes + first_block) * scale
     made = gradients * max(profile.trainable_parameters - profile.largest_unit_parameters, 0) / profile.trainable_parameters
     return int(held + made)
@@ -365,8 +369,9 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
         head = acts.outside_after_layers_bytes + 2 * acts.largest_tensor_bytes
         block = _block_backward(acts)
         phase = "what the head saves" if head >= block else "one block recomputed"
+        # a recomputed block makes again what it saved, except its own inputs: those are the kept block inputs
         kept = before + acts.layer_input_bytes + acts.retained_output_bytes + (
-            acts.outside_after_layers_bytes if head >= block else max(acts.per_layer_bytes))
+            acts.outside_after_layers_bytes if head >= block else max(acts.per_layer_bytes) - acts.block_saved_input_bytes)
         if head < block:
             backward = max(block - max(acts.per_layer_bytes), 0) * scale
             backward_formula = ("a block's backward at its worst op: 2 x that op's saved tensor (its gradient and the next "

@@ -52,8 +52,11 @@ def test_gradient_checkpointing_keeps_block_inputs_and_the_larger_backward_phase
     before = plain.outside_layers_bytes - plain.outside_after_layers_bytes
     phase = max(plain.outside_after_layers_bytes, max(plain.per_layer_bytes))
     kept = checkpointed.item("activations").bytes
+    # the recomputed block holds what it saved but its own inputs, which checkpointing keeps already
+    assert 0 < plain.block_saved_input_bytes < max(plain.per_layer_bytes)
+    recomputed = max(plain.per_layer_bytes) - plain.block_saved_input_bytes
     assert kept in (before + plain.layer_input_bytes + plain.retained_output_bytes + plain.outside_after_layers_bytes,
-                    before + plain.layer_input_bytes + plain.retained_output_bytes + max(plain.per_layer_bytes))
+                    before + plain.layer_input_bytes + plain.retained_output_bytes + recomputed)
     assert kept <= before + plain.layer_input_bytes + plain.retained_output_bytes + phase
     assert kept < full.item("activations").bytes
 
@@ -157,3 +160,79 @@ def test_checkpointed_estimate_is_within_10_percent_of_real_cpu_training_with_to
     measured = next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"]
     _, breakdown = traced(zoo["tiny-llama"], seq_len=256, batch_size=8, device_type="cpu", gradient_checkpointing=True)
     assert 0.95 < breakdown.device_total_bytes / measured < 1.10
+
+
+def _block_with_python_backward(temporaries: int):
+    """A transformers-free toy stack: each block is a Linear then an autograd Function whose backward makes
+    ``temporaries`` tensors of its input's size that are all alive at once (as Bloom's GeLU backward does)."""
+    import torch
+
+    class Spendthrift(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # noqa: ANN001, ANN205
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):  # noqa: ANN001, ANN205
+            (x,) = ctx.saved_tensors
+            held = [x * k for k in range(1, temporaries + 1)]
+            return grad * 2 + sum(held) * 0
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+
+        def forward(self, x):  # noqa: ANN001, ANN202
+            return Spendthrift.apply(self.linear(x))
+
+    class Stack(torch.nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Block(), Block()])
+
+        def forward(self, x):  # noqa: ANN001, ANN202
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    return Stack()
+
+
+@pytest.mark.parametrize("temporaries", [1, 6])
+def test_a_blocks_backward_is_measured_on_fake_tensors_with_its_own_temporaries(temporaries):
+    """The backward runs on the fake graph: a block whose backward code keeps six input-sized temporaries at once
+    is measured as holding them, where a bound from the forward (saved tensors plus two gradients) would not."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from prefect_accelerate.memory.activations import _measure_block_backward, _SavedTensorRecorder
+
+    model = _block_with_python_backward(temporaries)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = mode.from_tensor
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, torch.nn.Parameter(fake(param.detach())))
+        params = {id(p) for p in model.parameters()}
+        recorder = _SavedTensorRecorder(params)
+        for block in model.blocks:
+            block.register_forward_pre_hook(recorder.enter_layer, with_kwargs=True)
+            block.register_forward_hook(recorder.leave_layer)
+        x = torch.zeros(32, 64, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+            loss = model(x).sum()
+    measured = _measure_block_backward(loss, recorder, mode)
+    size = 32 * 64 * 4
+    assert set(measured) == {0, 1}
+    for index, peak in measured.items():
+        saved = recorder.saved_in[index]
+        # the block's saved tensors, the gradient it starts from and the temporaries, all at once
+        assert peak >= saved + size + temporaries * size
+        assert peak <= saved + size * (temporaries + 4) + 64 * 64 * 4 + 64 * 4
+    if temporaries == 6:
+        assert max(measured.values()) > max(recorder.block_peak.values())
