@@ -170,7 +170,7 @@ def trace_activations(
     kernels = cuda_kernels(force_flash, capability) if device_type == "cuda" else contextlib.nullcontext(None)
     cache: list[Any] = []
     try:
-        with mode, watch, _moe_without_grouped_mm(), kernels as kernel_log, \
+        with mode, watch, _moe_without_grouped_mm(), _unpadded_masks(), kernels as kernel_log, \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
             with _autocast(autocast_dtype):
                 if library == "timm":
@@ -212,8 +212,9 @@ def trace_activations(
             retained += _nbytes(base)
             recorder.largest = max(recorder.largest, _nbytes(base))
     count = len(recorder.layer_index)
-    measured = _measure_block_backward(loss, recorder, mode)  # last: it frees the graph
-    block_peak = max(measured.values()) if count and len(measured) == count else max(recorder.block_peak.values(), default=0)
+    measured = _measure_backward(loss, recorder, mode, list(model.parameters()))  # last: it frees the graph
+    every_block = bool(count) and len(measured.blocks) == count
+    block_peak = max(measured.blocks.values()) if every_block else max(recorder.block_peak.values(), default=0)
     per_layer = [recorder.saved_in[i] for i in range(count)]
     inputs = [recorder.inputs_of[i] for i in range(count)]
     casts = [recorder.casts_in[i] for i in range(count)]
@@ -239,7 +240,10 @@ def trace_activations(
         largest_tensor_bytes=recorder.largest,
         largest_layer_tensor_bytes=recorder.largest_in_layers,
         block_backward_peak_bytes=block_peak,
-        block_backward_measured=bool(count) and len(measured) == count,
+        block_backward_measured=every_block,
+        block_backward_rise_bytes=max(measured.rises.values()) if every_block else 0,
+        head_backward_bytes=measured.head if every_block and measured.head is not None else 0,
+        head_backward_measured=every_block and measured.head is not None,
         block_saved_input_bytes=min((recorder.saved_inputs_in[i] for i in range(count)), default=0),
         autocast_weight_copy_bytes=cast_total,
         cache_bytes=cache_all,
@@ -360,36 +364,52 @@ class _SavedTensorRecorder:
             self.current = None
 
 
-def _measure_block_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any) -> dict[int, int]:
-    """Run backward on the fake graph and measure, per block, the most its own backward holds at once.
+class _BackwardFigures:
+    """What a backward on the fake graph measured (`_measure_backward`); empty when it could not run."""
 
-    That is the block's saved tensors, the gradient it starts from and the largest rise of live memory while
-    its backward runs: every tensor its backward code makes (a custom autograd Function's own arithmetic, the
-    math attention's score gradients, the weights' gradients), less its saved tensors as backward frees them.
-    Fake tensors allocate nothing, so what is live is counted by storage (`_LiveBytes`). Blocks whose
-    backward could not be followed are left out; the caller then keeps the forward's bound. The graph is
-    freed afterwards, as a real backward frees it.
+    def __init__(self, blocks: dict[int, int] | None = None, rises: dict[int, int] | None = None,
+                 head: int | None = None) -> None:
+        self.blocks = blocks or {}  # block -> its saved tensors + its rise: the most its own backward holds
+        self.rises = rises or {}  # block -> its gradient in plus the most live memory rose above its start
+        self.head = head  # the most live memory rose from backward's start until the first block's
+
+
+def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, params: list[Any]) -> _BackwardFigures:
+    """Run backward on the fake graph and measure what its phases hold beyond what forward saved.
+
+    Per block: its saved tensors, the gradient it starts from and the largest rise of live memory while its
+    backward runs: every tensor its backward code makes (a custom autograd Function's own arithmetic, the
+    math attention's score gradients), less its saved tensors as backward frees them. For the head (the loss,
+    the output layer, the final norm: from backward's start to the first block): the largest rise. Fake
+    tensors allocate nothing, so what is live is counted by storage (`_LiveBytes`). The weights' gradients
+    are left out (each is forgotten once accumulated into ``.grad``): the layouts count them, sharded or
+    not. Blocks whose backward could not be followed are left out; the caller then keeps the forward's
+    bound. The graph is freed afterwards, as a real backward frees it.
     """
-    import torch
-
     if loss is None or not getattr(loss, "requires_grad", False) or not recorder.block_out:
-        return {}
+        return _BackwardFigures()
     meter = _LiveBytes()
     for tensor in recorder.keep:  # what forward saved: alive when backward starts, freed as it goes
         meter.track(tensor)
-    for index, tensor in recorder.block_out.items():
-        tensor.register_hook(lambda grad, index=index: meter.enter(index, grad))
-    for index, tensor in recorder.block_in.items():
-        tensor.register_hook(lambda grad, index=index: meter.leave(index))
+    handles = [tensor.register_hook(lambda grad, index=index: meter.enter(index, grad))
+               for index, tensor in recorder.block_out.items()]
+    handles += [tensor.register_hook(lambda grad, index=index: meter.leave(index))
+                for index, tensor in recorder.block_in.items()]
+    handles += [p.register_post_accumulate_grad_hook(lambda p: meter.forget(p.grad)) for p in params if p.requires_grad]
     recorder.keep.clear()
     recorder.block_out.clear()
     recorder.block_in.clear()
+    meter.start_head()
     try:
         with mode, meter:
             loss.backward()
-    except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: the forward's bound stands
-        return {}
-    return {index: recorder.saved_in[index] + rise for index, rise in meter.rises.items()}
+    except Exception:  # noqa: BLE001 - a backward fake tensors cannot run: the forward's bounds stand
+        return _BackwardFigures()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return _BackwardFigures(blocks={index: recorder.saved_in[index] + rise for index, rise in meter.rises.items()},
+                            rises=dict(meter.rises), head=meter.head_rise)
 
 
 class _LiveBytes:
@@ -398,7 +418,8 @@ class _LiveBytes:
     Each storage is counted once, from the op that made it (or from the start, for what forward saved) until
     Python frees it, as the allocator would see it; an op that writes into one of its inputs adds nothing.
     `enter` and `leave` bracket one block's backward (hooks on its output and its input): ``rises[block]``
-    is the gradient it started from plus the most live memory rose above its start meanwhile.
+    is the gradient it started from plus the most live memory rose above its start meanwhile; ``head_rise``
+    is the most it rose from `start_head` until the first block's backward began.
     """
 
     def __init__(self) -> None:
@@ -415,8 +436,9 @@ class _LiveBytes:
         self._mode = _Mode()
         self.live = 0
         self._finalizers: dict[int, Any] = {}
-        self._open: dict[int, list[int]] = {}  # block -> [live at its start, highest live since]
+        self._open: dict[Any, list[int]] = {}  # block (or "head") -> [live at its start, highest live since, grad in]
         self.rises: dict[int, int] = {}
+        self.head_rise: int | None = None
 
     def __enter__(self) -> _LiveBytes:
         self._mode.__enter__()
@@ -438,6 +460,15 @@ class _LiveBytes:
         for mark in self._open.values():
             mark[1] = max(mark[1], self.live)
 
+    def forget(self, tensor: Any) -> None:
+        """Stop counting a tensor's storage (a weight's gradient: counted elsewhere)."""
+        if tensor is None:
+            return
+        storage = tensor.untyped_storage()
+        finalizer = self._finalizers.pop(id(storage), None)
+        if finalizer is not None and finalizer.detach() is not None:
+            self.live -= storage.nbytes()
+
     def _freed(self, key: int, size: int) -> None:
         self.live -= size
         self._finalizers.pop(key, None)
@@ -448,7 +479,13 @@ class _LiveBytes:
             if id(tensor.untyped_storage()) not in inputs:
                 self.track(tensor)
 
+    def start_head(self) -> None:
+        self._open["head"] = [self.live, self.live, 0]
+
     def enter(self, index: int, grad: Any) -> None:
+        head = self._open.pop("head", None)
+        if head is not None:
+            self.head_rise = head[1] - head[0]
         if index not in self._open and index not in self.rises:
             self._open[index] = [self.live, self.live, _nbytes(grad)]
 
@@ -596,6 +633,45 @@ def _param_casts(recorder: _SavedTensorRecorder, params: set[int]) -> Any:
             return out
 
     return _CastWatch()
+
+
+#: transformers' checks whether SDPA may run without a materialized mask (masking_utils): each refuses to read
+#: a fake padding mask and keeps the mask, where a real batch without padding would have dropped it
+_MASK_SKIP_CHECKS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+
+
+@contextlib.contextmanager
+def _unpadded_masks() -> Iterator[None]:
+    """The traced batch has no padding, so its padding mask is all ones; let transformers' mask-skip checks see that.
+
+    A model that builds a padding mask itself when it is given none (BART's decoder does) hands transformers a
+    fake all-ones tensor whose values fake tensors cannot read. transformers then keeps an explicit mask, as it
+    must when exporting a graph, where a real batch without padding runs SDPA with ``is_causal`` and no mask
+    (and on CUDA may take flash, which refuses masks). For the length of the trace, a fake padding mask is
+    passed to these checks as None, which is what an all-ones mask means to them; the rest of each check runs
+    as written (sliding windows still keep their mask).
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        yield
+        return
+    originals = {name: getattr(masking_utils, name) for name in _MASK_SKIP_CHECKS if hasattr(masking_utils, name)}
+
+    def unpadded(check: Any) -> Any:
+        def call(padding_mask: Any, *args: Any, **kwargs: Any) -> Any:
+            return check(None if isinstance(padding_mask, FakeTensor) else padding_mask, *args, **kwargs)
+        return call
+
+    for name, check in originals.items():
+        setattr(masking_utils, name, unpadded(check))
+    try:
+        yield
+    finally:
+        for name, check in originals.items():
+            setattr(masking_utils, name, check)
 
 
 @contextlib.contextmanager

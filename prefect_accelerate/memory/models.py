@@ -143,7 +143,13 @@ class ActivationProfile(_Frozen):
                                            "and the next), the largest over its ops in forward order; 0 when not traced")
     block_backward_measured: bool = Field(False, description="block_backward_peak_bytes was measured by running backward "
                                           "on the fake tensors (every temporary the block's own backward code makes, its "
-                                          "weights' gradients, its saved tensors freed as it goes) rather than bounded")
+                                          "saved tensors freed as it goes; weights' gradients left out) rather than bounded")
+    block_backward_rise_bytes: int = Field(0, description="measured: the most live memory rose above its start while one "
+                                           "block's backward ran, the gradient it started from included (0: not measured)")
+    head_backward_bytes: int = Field(0, description="measured: the most live memory rose above backward's start before the "
+                                     "first block's backward began (the loss, the output layer, the final norm); weights' "
+                                     "gradients left out")
+    head_backward_measured: bool = False
     block_saved_input_bytes: int = Field(0, description="the part of a block's saved tensors that are its own inputs (the "
                                          "residual stream its first norm saves), the least over blocks: checkpointing "
                                          "keeps them as the block's inputs already, and recomputing makes no copy")

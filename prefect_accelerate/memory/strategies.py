@@ -359,14 +359,21 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
         return MemoryItem.of("activations", "Activations", 0, "not estimated"), 0, "not estimated", [note], "not estimated"
     scale = options.batch_size / acts.batch_size
     notes = [acts.note] if acts.note else []
-    backward = 2 * acts.largest_tensor_bytes * scale
-    backward_formula = "2 x the largest activation (its gradient and the next one)"
+    head_rise = acts.head_backward_bytes if acts.head_backward_measured else 2 * acts.largest_tensor_bytes
+    if acts.head_backward_measured:
+        # backward's start (the loss, the head), or the last block's backward once the head's saved tensors are freed
+        backward = max(acts.head_backward_bytes, acts.block_backward_rise_bytes - acts.outside_after_layers_bytes, 0) * scale
+        backward_formula = ("measured on the fake graph: the most backward adds to what forward saved, at its start (the "
+                            "loss and the head) or in the last block once the head's tensors are freed")
+    else:
+        backward = 2 * acts.largest_tensor_bytes * scale
+        backward_formula = "2 x the largest activation (its gradient and the next one)"
     if options.gradient_checkpointing and acts.per_layer_bytes:
         # torch.utils.checkpoint (transformers: use_reentrant=False) keeps each block's inputs. Backward has two
         # phases that never overlap: the head's (what it saved, its gradients) and then each block's (the block
         # recomputed, its gradients); the head's saved tensors are freed before the first block is recomputed.
         before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
-        head = acts.outside_after_layers_bytes + 2 * acts.largest_tensor_bytes
+        head = acts.outside_after_layers_bytes + head_rise
         block = _block_backward(acts)
         phase = "what the head saves" if head >= block else "one block recomputed"
         # a recomputed block makes again what it saved, except its own inputs: those are the kept block inputs
@@ -374,7 +381,8 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
             acts.outside_after_layers_bytes if head >= block else max(acts.per_layer_bytes) - acts.block_saved_input_bytes)
         if head < block:
             backward = max(block - max(acts.per_layer_bytes), 0) * scale
-            backward_formula = ("a block's backward at its worst op: 2 x that op's saved tensor (its gradient and the next "
+            backward_formula = ("a block's backward beyond what it saved, measured on the fake graph" if acts.block_backward_measured
+                                else "a block's backward at its worst op: 2 x that op's saved tensor (its gradient and the next "
                                 "one), less what the block saved after it, already freed")
         formula = (f"traced for {acts.input_description}, checkpointed: saved before the blocks + {len(acts.per_layer_bytes)} "
                    f"block inputs + outputs + {phase} (the larger backward phase: the head's, or one block's)")

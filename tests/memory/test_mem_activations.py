@@ -209,7 +209,7 @@ def test_a_blocks_backward_is_measured_on_fake_tensors_with_its_own_temporaries(
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from prefect_accelerate.memory.activations import _measure_block_backward, _SavedTensorRecorder
+    from prefect_accelerate.memory.activations import _measure_backward, _SavedTensorRecorder
 
     model = _block_with_python_backward(temporaries)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -226,7 +226,7 @@ def test_a_blocks_backward_is_measured_on_fake_tensors_with_its_own_temporaries(
         x = torch.zeros(32, 64, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
             loss = model(x).sum()
-    measured = _measure_block_backward(loss, recorder, mode)
+    measured = _measure_backward(loss, recorder, mode, list(model.parameters())).blocks
     size = 32 * 64 * 4
     assert set(measured) == {0, 1}
     for index, peak in measured.items():
