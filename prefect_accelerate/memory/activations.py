@@ -291,7 +291,9 @@ class _SavedTensorRecorder:
         self.largest_in_layers = 0
         self.cast_outside = 0
         self.largest = 0
-        self.layer_index: dict[int, int] = {}
+        #: one entry per block call, in forward order: the module's id (a model that loops over its blocks, such
+        #: as a recurrent-depth model, calls one module several times; checkpointing wraps each call)
+        self.layer_index: list[int] = []
         self.saved_in: dict[int, int] = {}
         self.casts_in: dict[int, int] = {}
         self.inputs_of: dict[int, int] = {}
@@ -339,7 +341,8 @@ class _SavedTensorRecorder:
     def enter_layer(self, module: Any, args: tuple, kwargs: dict) -> None:
         if self.current is not None:
             return
-        index = self.layer_index.setdefault(id(module), len(self.layer_index))
+        index = len(self.layer_index)
+        self.layer_index.append(id(module))
         for table in (self.saved_in, self.casts_in, self.inputs_of, self.block_peak, self.saved_inputs_in):
             table.setdefault(index, 0)
         self.current = index
@@ -357,7 +360,7 @@ class _SavedTensorRecorder:
                     self.inputs_of[index] += _nbytes(tensor)
 
     def leave_layer(self, module: Any, args: tuple, output: Any) -> None:
-        if self.layer_index.get(id(module)) == self.current:
+        if self.current is not None and self.layer_index[self.current] == id(module):
             first = next((t for t in _tensors_in(output) if t.requires_grad and t.is_floating_point()), None)
             if first is not None:
                 self.block_out[self.current] = first

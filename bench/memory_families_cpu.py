@@ -1,0 +1,188 @@
+"""Estimate / measured peak on CPU for every model family transformers ships with a training head.
+
+The memory gate must hold on models nobody tuned it to. This walks transformers' own registry of
+architectures (the causal-LM, masked-LM and sequence-to-sequence heads: about 290 families in
+transformers 5.25), builds a tiny config of each (the family's defaults with 2 blocks, width 128, 4
+heads, a 1,000-token vocabulary), and compares `estimate-memory`'s figure (`device_type="cpu"`: CPU's own
+kernels, since that is what runs here) with the peak PyTorch's CPU allocator reports over 3 real AdamW
+steps of Accelerate's example loop (memory/probe.py's recorder, the one `--measure` uses). Three runs per
+family: fp32, bf16 autocast, and fp32 with gradient checkpointing; batch 4 x 128 tokens.
+
+Each family runs in a child process of its own, with a 5 GiB cap on its resident memory (a family whose
+CPU path is quadratic in something stops there, not the machine). A family transformers itself cannot
+build or train from such a config (a config that needs more than these fields, a sub-model with its own
+config) is reported as skipped with transformers' error; an estimate that raises is a finding.
+
+    python bench/memory_families_cpu.py                         # every family: 30-60 minutes on 2 cores
+    python bench/memory_families_cpu.py --only llama --only t5  # a few
+    python bench/memory_families_cpu.py --heads causal --out /tmp/causal.jsonl
+
+Prints one row per run and a summary: how many runs sit within 10% of the measured peak, the lowest and
+highest ratio, and every run outside [0.90, 1.10]. Nothing here passes or fails; tests/memory holds a few
+of these families to the 10% line in CI (test_mem_probe.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "shims"))  # torchvision shim (CPU torch beside a CUDA torchvision wheel)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+HEADS = {"causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+         "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
+VARIANTS = {"fp32": ("no", False), "bf16": ("bf16", False), "checkpointing": ("no", True)}
+BATCH, SEQ = 4, 128
+RSS_CAP = 5 << 30
+#: the size fields, under every name families use; a config class takes the ones its __init__ or
+#: attribute_map knows, keeps its own defaults for the rest
+TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256,
+            vocab_size=1000, max_position_embeddings=512, head_dim=32, d_model=128, d_ff=256, d_kv=32, num_heads=4,
+            num_layers=2, num_decoder_layers=2, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, n_positions=512, rotary_dim=16,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0, decoder_start_token_id=0, tie_word_embeddings=False)
+
+
+def families(heads: list[str]) -> list[tuple[str, str, str]]:
+    """(head, model_type, architecture) for every registered family with one of these heads."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    found = []
+    for head in heads:
+        for model_type, architecture in getattr(modeling_auto, HEADS[head]).items():
+            architecture = architecture[0] if isinstance(architecture, (list, tuple)) else architecture
+            if hasattr(transformers, architecture):
+                found.append((head, model_type, architecture))
+    return found
+
+
+def tiny_config(model_type: str, architecture: str):  # noqa: ANN201
+    import transformers
+
+    cls = type(transformers.AutoConfig.for_model(model_type))
+    accepted = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))
+    return cls(**{k: v for k, v in TINY.items() if k in accepted}, architectures=[architecture])
+
+
+def run_family(model_type: str, architecture: str) -> list[dict]:
+    """In the child: estimate and measure the three variants of one family."""
+    import torch
+    import transformers
+
+    from prefect_accelerate.memory import EstimateOptions, estimate
+    from prefect_accelerate.memory.measured import batch_for, train_step
+    from prefect_accelerate.memory.probe import allocation_peak, allocation_recorder
+
+    rows = []
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=f"family-{model_type}-"))
+        tiny_config(model_type, architecture).save_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - the family's config needs more than the size fields
+        return [{"family": model_type, "variant": "-", "skipped": f"config: {type(error).__name__}: {str(error)[:160]}"}]
+    for variant, (precision, checkpointing) in VARIANTS.items():
+        row: dict = {"family": model_type, "variant": variant, "architecture": architecture}
+        try:
+            config = transformers.AutoConfig.from_pretrained(folder)
+            torch.manual_seed(0)
+            recorder = allocation_recorder()
+            case = {"library": "transformers", "batch_size": BATCH, "seq_len": SEQ, "mixed_precision": precision}
+            with recorder:
+                model = getattr(transformers, architecture)._from_config(config).train()
+                if checkpointing:
+                    model.gradient_checkpointing_enable()
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+                batch = batch_for(case, model, "cpu")
+                kept: dict = {}
+                for _ in range(3):
+                    train_step(case, model, optimizer, batch, "cpu", kept)
+                del kept, model, optimizer
+            row["measured"] = allocation_peak(recorder)
+        except Exception as error:  # noqa: BLE001 - transformers itself cannot train this config
+            row["skipped"] = f"training: {type(error).__name__}: {str(error)[:160]}"
+        try:
+            result = estimate(str(folder), EstimateOptions(
+                dtypes=("float32",), strategy="ddp", num_processes=1, batch_size=BATCH, seq_len=SEQ, device_type="cpu",
+                mixed_precision=precision, gradient_checkpointing=checkpointing))
+            row["estimate"] = result.breakdown.device_total_bytes
+            row["activations"] = result.breakdown.activations_method
+            row["attention"] = result.breakdown.attention
+        except Exception as error:  # noqa: BLE001 - a finding: report it
+            row["estimate_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        if row.get("measured") and row.get("estimate") and row.get("activations") == "traced":
+            row["ratio"] = round(row["estimate"] / row["measured"], 3)
+        rows.append(row)
+    return rows
+
+
+def _cap_memory() -> None:
+    def watch() -> None:
+        while True:
+            with open("/proc/self/statm") as statm:
+                if int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") > RSS_CAP:
+                    os._exit(3)
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--heads", default="causal,masked,seq2seq")
+    parser.add_argument("--only", action="append", default=[], help="a model_type (repeatable)")
+    parser.add_argument("--out", help="append each run as a JSON line here")
+    parser.add_argument("--child", nargs=2, metavar=("MODEL_TYPE", "ARCHITECTURE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _cap_memory()
+        import sitecustomize  # noqa: F401 - the torchvision shim
+
+        print(json.dumps(run_family(*args.child)))
+        return
+    seen: set[str] = set()
+    rows: list[dict] = []
+    for head, model_type, architecture in families(args.heads.split(",")):
+        if model_type in seen or (args.only and model_type not in args.only):
+            continue
+        seen.add(model_type)
+        child = subprocess.run([sys.executable, __file__, "--child", model_type, architecture],
+                               capture_output=True, text=True, timeout=900)
+        try:
+            found = json.loads(child.stdout.strip().splitlines()[-1])
+        except (IndexError, json.JSONDecodeError):
+            why = "over the 5 GiB cap" if child.returncode == 3 else f"exit {child.returncode}: {child.stderr[-160:]}"
+            found = [{"family": model_type, "variant": "-", "skipped": f"child: {why}"}]
+        for row in found:
+            row["head"] = head
+            rows.append(row)
+            if args.out:
+                with open(args.out, "a") as out:
+                    out.write(json.dumps(row) + "\n")
+            ratio = f"{row['ratio']:.3f}" if "ratio" in row else "-"
+            note = row.get("estimate_error") or row.get("skipped") or ("" if "ratio" in row else row.get("activations", ""))
+            print(f"{model_type:28s} {row['variant']:14s} {ratio:>6s}  {row.get('attention', '')[:24]:24s} {note[:90]}", flush=True)
+    ratios = [row["ratio"] for row in rows if "ratio" in row]
+    if ratios:
+        inside = sum(0.90 <= r <= 1.10 for r in ratios)
+        print(f"\n{len(ratios)} runs compared ({len(seen)} families): {inside} within 10% of the measured peak; "
+              f"lowest {min(ratios):.3f}, highest {max(ratios):.3f}")
+        for row in rows:
+            if "ratio" in row and not 0.90 <= row["ratio"] <= 1.10:
+                print(f"  outside: {row['family']} {row['variant']} {row['ratio']:.3f}")
+    errors = [row for row in rows if "estimate_error" in row]
+    print(f"{len(errors)} estimates raised" + "".join(f"\n  {r['family']} {r['variant']}: {r['estimate_error']}" for r in errors))
+
+
+if __name__ == "__main__":
+    main()
