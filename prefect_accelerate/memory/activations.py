@@ -169,8 +169,9 @@ def trace_activations(
     watch = _param_casts(recorder, params) if autocast_dtype is not None else contextlib.nullcontext()
     kernels = cuda_kernels(force_flash, capability) if device_type == "cuda" else contextlib.nullcontext(None)
     cache: list[Any] = []
+    recorder.forward_meter = forward = _LiveBytes()
     try:
-        with mode, watch, _moe_without_grouped_mm(), _unpadded_masks(), kernels as kernel_log, \
+        with mode, watch, _moe_without_grouped_mm(), _unpadded_masks(), kernels as kernel_log, forward, \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
             with _autocast(autocast_dtype):
                 if library == "timm":
@@ -245,6 +246,9 @@ def trace_activations(
         head_backward_bytes=measured.head if every_block and measured.head is not None else 0,
         head_backward_measured=every_block and measured.head is not None,
         block_saved_input_bytes=min((recorder.saved_inputs_in[i] for i in range(count)), default=0),
+        forward_peak_bytes=forward.peak,
+        block_forward_rise_bytes=max(forward.rises.values(), default=0),
+        forward_measured=True,
         autocast_weight_copy_bytes=cast_total,
         cache_bytes=cache_all,
         cache_unsaved_bytes=cache_unsaved,
@@ -308,6 +312,8 @@ class _SavedTensorRecorder:
         #: as the block's inputs; recomputing the block does not make them again)
         self.own_inputs: dict[int, set[int]] = {}
         self.saved_inputs_in: dict[int, int] = {}
+        #: counts live memory through the forward: its peak, and each block call's rise above its start
+        self.forward_meter: _LiveBytes | None = None
 
     def pack(self, tensor: Any) -> Any:
         base = tensor._base if tensor._base is not None else tensor
@@ -343,6 +349,8 @@ class _SavedTensorRecorder:
             return
         index = len(self.layer_index)
         self.layer_index.append(id(module))
+        if self.forward_meter is not None:
+            self.forward_meter.open(index)
         for table in (self.saved_in, self.casts_in, self.inputs_of, self.block_peak, self.saved_inputs_in):
             table.setdefault(index, 0)
         self.current = index
@@ -364,6 +372,8 @@ class _SavedTensorRecorder:
             first = next((t for t in _tensors_in(output) if t.requires_grad and t.is_floating_point()), None)
             if first is not None:
                 self.block_out[self.current] = first
+            if self.forward_meter is not None:
+                self.forward_meter.close(self.current)
             self.current = None
 
 
@@ -442,6 +452,7 @@ class _LiveBytes:
         self._open: dict[Any, list[int]] = {}  # block (or "head") -> [live at its start, highest live since, grad in]
         self.rises: dict[int, int] = {}
         self.head_rise: int | None = None
+        self.peak = 0  # the most live at once since counting began
 
     def __enter__(self) -> _LiveBytes:
         self._mode.__enter__()
@@ -459,6 +470,7 @@ class _LiveBytes:
             return
         size = storage.nbytes()
         self.live += size
+        self.peak = max(self.peak, self.live)
         self._finalizers[key] = weakref.finalize(storage, self._freed, key, size)
         for mark in self._open.values():
             mark[1] = max(mark[1], self.live)
@@ -482,6 +494,17 @@ class _LiveBytes:
             if id(tensor.untyped_storage()) not in inputs:
                 self.track(tensor)
 
+    def open(self, key: Any, extra: int = 0) -> None:
+        """Start following the rise of live memory for ``key`` (``extra``: bytes to count on top, already live)."""
+        if key not in self._open and key not in self.rises:
+            self._open[key] = [self.live, self.live, extra]
+
+    def close(self, key: Any) -> None:
+        mark = self._open.pop(key, None)
+        if mark is not None:
+            start, highest, extra = mark
+            self.rises[key] = extra + highest - start
+
     def start_head(self) -> None:
         self._open["head"] = [self.live, self.live, 0]
 
@@ -489,14 +512,10 @@ class _LiveBytes:
         head = self._open.pop("head", None)
         if head is not None:
             self.head_rise = head[1] - head[0]
-        if index not in self._open and index not in self.rises:
-            self._open[index] = [self.live, self.live, _nbytes(grad)]
+        self.open(index, _nbytes(grad))
 
     def leave(self, index: int) -> None:
-        mark = self._open.pop(index, None)
-        if mark is not None:
-            start, highest, grad = mark
-            self.rises[index] = grad + highest - start
+        self.close(index)
 
 
 def _cache_tensors(output: Any) -> Iterator[Any]:

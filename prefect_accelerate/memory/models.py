@@ -150,6 +150,11 @@ class ActivationProfile(_Frozen):
                                      "first block's backward began (the loss, the output layer, the final norm); weights' "
                                      "gradients left out")
     head_backward_measured: bool = False
+    forward_peak_bytes: int = Field(0, description="measured: the most live memory at once during the forward, counted from "
+                                    "its start (what it saves, its outputs, and the temporaries of the moment)")
+    block_forward_rise_bytes: int = Field(0, description="measured: the most live memory rose above its start during one "
+                                          "block call's forward (a checkpointed forward holds one block's at a time)")
+    forward_measured: bool = False
     block_saved_input_bytes: int = Field(0, description="the part of a block's saved tensors that are its own inputs (the "
                                          "residual stream its first norm saves), the least over blocks: checkpointing "
                                          "keeps them as the block's inputs already, and recomputing makes no copy")

@@ -254,7 +254,11 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
         notes.append(f"The peak of backward comes at its end: the first block ({'recomputed' if options.gradient_checkpointing else 'its saved tensors'}) "
                      f"with every other block's gradients already made ({human_bytes(last_block)} besides the resident states).")
     step = by_key["gradients"] + by_key["step_temporaries"] + by_key["loop_outputs"]
-    total = resident + max(forward_backward, last_block, step)
+    forward = _forward_phase(profile.activations, options) + by_key["loop_outputs"]
+    if forward > max(forward_backward, last_block, step):
+        notes.append(f"The peak comes during the forward: its temporaries of the moment outgrow what backward holds "
+                     f"({human_bytes(forward)} besides the resident states, the previous step's outputs included).")
+    total = resident + max(forward_backward, last_block, step, forward)
     states = sum(by_key.get(k, 0) for k in ("parameters", "gradients", "optimizer_states", "gathered_layers"))
     cpu_total = sum(item.bytes for item in cpu)
     if mp and strategy not in DEEPSPEED_STRATEGIES:
@@ -272,6 +276,21 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
         cpu_items=cpu, cpu_per_machine_bytes=cpu_total, cpu_per_machine=human_bytes(cpu_total),
         activations_method=method, attention=_attention_label(profile.activations), notes=notes,
     )
+
+
+def _forward_phase(acts: ActivationProfile | None, options: EstimateOptions) -> float:
+    """The most the forward holds at once, measured on the fake tensors: everything it has saved by then plus the
+    temporaries of that moment (a model whose forward makes large transient tensors, such as a state-space scan
+    written in plain torch, peaks here rather than in backward). Under checkpointing each block's saved tensors
+    are dropped as it returns, so the forward holds the kept block inputs, what came before the blocks, and one
+    block's own rise. 0 when the forward was not measured."""
+    if acts is None or acts.method != "traced" or not acts.forward_measured:
+        return 0
+    scale = options.batch_size / acts.batch_size
+    if options.gradient_checkpointing and acts.per_layer_bytes:
+        before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
+        return (before + acts.layer_input_bytes + acts.block_forward_rise_bytes) * scale
+    return acts.forward_peak_bytes * scale
 
 
 def _block_backward(acts: ActivationProfile) -> int:

@@ -258,3 +258,70 @@ def test_a_block_module_called_twice_is_two_blocks():
     # the first call saved its Linear's input and its Tanh's output (8 x 16 fp32 each); the second call's Linear
     # input is the first call's output, counted already, so it adds its own Tanh output only
     assert recorder.saved_in == {0: 2 * 8 * 16 * 4, 1: 8 * 16 * 4}
+
+
+def _wide_transient_model():
+    """A block whose forward makes a tensor 32 times its input (an outer product, as a state-space scan written in
+    plain torch does) and reduces it at once: little is saved, but the forward's moment is large."""
+    import torch
+
+    class Scan(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(64, 64)
+            self.state = torch.nn.Parameter(torch.ones(32))
+
+        def forward(self, x):  # noqa: ANN001, ANN202
+            h = self.linear(x)
+            wide = h.unsqueeze(-1) * self.state  # (batch, 64, 32): 32x the input
+            return wide.sum(-1).tanh()
+
+    return Scan()
+
+
+def test_the_forwards_moment_measured_on_fake_tensors_matches_the_cpu_allocator():
+    """The forward is counted as it runs (`_LiveBytes`): its peak on fake tensors is what PyTorch's CPU allocator
+    reports for the same forward on real tensors, the 32x transient included."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from prefect_accelerate.memory.activations import _LiveBytes
+    from prefect_accelerate.memory.probe import allocation_peak, allocation_recorder
+
+    torch.manual_seed(0)
+    model = _wide_transient_model()
+    recorder = allocation_recorder()
+    with recorder:
+        x = torch.zeros(256, 64, requires_grad=True)
+        loss = model(x).sum()
+    real = allocation_peak(recorder)
+    del loss
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    meter = _LiveBytes()
+    with mode:
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                setattr(module, name, torch.nn.Parameter(mode.from_tensor(param.detach())))
+        with meter:
+            x = torch.zeros(256, 64, requires_grad=True)
+            model(x).sum()
+    transient = 256 * 64 * 32 * 4
+    assert meter.peak >= transient
+    assert abs(meter.peak - real) <= 0.05 * real, (meter.peak, real)
+
+
+def test_a_forward_that_outgrows_backward_sets_the_peak():
+    """The layouts take the forward's measured moment as a phase of its own (plus the previous step's outputs,
+    alive until the new forward returns), and say so when it is the peak."""
+    from prefect_accelerate.memory.models import ActivationProfile, EstimateOptions
+    from prefect_accelerate.memory.strategies import _forward_phase
+
+    acts = ActivationProfile(method="traced", batch_size=4, seq_len=128, input_description="", precision_mode="fp32",
+                             saved_bytes=10, per_layer_bytes=[4, 4], outside_layers_bytes=2, outside_after_layers_bytes=1,
+                             layer_input_bytes=6, forward_peak_bytes=1000, block_forward_rise_bytes=100, forward_measured=True)
+    options = EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=8, seq_len=128)
+    assert _forward_phase(acts, options) == 2000  # scaled to the batch
+    checkpointed = options.model_copy(update={"gradient_checkpointing": True})
+    assert _forward_phase(acts, checkpointed) == 2 * (1 + 6 + 100)  # before the blocks + kept inputs + one block
+    assert _forward_phase(acts.model_copy(update={"forward_measured": False}), options) == 0
