@@ -16,6 +16,7 @@ config) is reported as skipped with transformers' error; an estimate that raises
     python bench/memory_families_cpu.py                         # every family: 30-60 minutes on 2 cores
     python bench/memory_families_cpu.py --only llama --only t5  # a few
     python bench/memory_families_cpu.py --heads causal --out /tmp/causal.jsonl
+    python bench/memory_families_cpu.py --sample 40 --seed 1 --out /tmp/sample.jsonl  # 40 families at random
 
 Prints one row per run and a summary: how many runs sit within 10% of the measured peak, the lowest and
 highest ratio, and every run outside [0.90, 1.10]. Nothing here passes or fails; tests/memory holds a few
@@ -141,7 +142,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", default="causal,masked,seq2seq")
     parser.add_argument("--only", action="append", default=[], help="a model_type (repeatable)")
-    parser.add_argument("--out", help="append each run as a JSON line here")
+    parser.add_argument("--out", help="append each run as a JSON line here (families already in it are skipped)")
+    parser.add_argument("--sample", type=int, help="only this many families, drawn at random (with --seed)")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child", nargs=2, metavar=("MODEL_TYPE", "ARCHITECTURE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -151,9 +154,17 @@ def main() -> None:
         print(json.dumps(run_family(*args.child)))
         return
     seen: set[str] = set()
+    if args.out and Path(args.out).exists():
+        seen |= {json.loads(line)["family"] for line in Path(args.out).read_text().splitlines() if line.strip()}
+    todo = [f for f in families(args.heads.split(",")) if not args.only or f[1] in args.only]
+    if args.sample:
+        import random
+
+        random.Random(args.seed).shuffle(todo)
+        todo = todo[:args.sample]
     rows: list[dict] = []
-    for head, model_type, architecture in families(args.heads.split(",")):
-        if model_type in seen or (args.only and model_type not in args.only):
+    for head, model_type, architecture in todo:
+        if model_type in seen:
             continue
         seen.add(model_type)
         child = subprocess.run([sys.executable, __file__, "--child", model_type, architecture],
