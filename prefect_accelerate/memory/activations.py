@@ -94,6 +94,7 @@ def trace_activations(
     force_flash: bool = False,
     device_type: str = "cuda",
     capability: tuple[int, int] | None = None,
+    use_cache: bool | None = None,
 ) -> ActivationProfile:
     """Run one forward pass of a fake-tensor model and measure what backward will need.
 
@@ -112,6 +113,8 @@ def trace_activations(
         device_type: ``cuda`` stands in CUDA's attention and dropout kernels (memory/attention.py);
             ``cpu`` keeps CPU's own, for comparisons with real training on CPU.
         capability: the CUDA compute capability whose kernel rules apply (None: this machine's GPU, else 9.0).
+        use_cache: None runs the forward as training runs it (transformers' own ``use_cache``); a forward that
+            fails then is run again with False, as gradient checkpointing runs it (and the report says so).
 
     Returns:
         An ActivationProfile; ``method="not estimated"`` with a note when the inputs are not supported
@@ -179,7 +182,7 @@ def trace_activations(
                     loss = torch.nn.functional.cross_entropy(result.float(), torch.zeros(batch_size, dtype=torch.long))
                     outputs = [result, loss]
                 else:
-                    result = model(**_transformers_inputs(model, batch_size, used_seq))
+                    result = model(**_transformers_inputs(model, batch_size, used_seq, use_cache))
                     outputs = list(_tensors_in(result))
                     cache = list(_cache_tensors(result))
                     loss = result.get("loss") if isinstance(result, dict) else getattr(result, "loss", None)
@@ -187,6 +190,21 @@ def trace_activations(
         raise
     except Exception as error:  # data-dependent control flow, unsupported ops, custom code
         first_line = (str(error).splitlines() or [""])[0][:200]
+        if use_cache is None and library == "transformers" and getattr(config, "use_cache", False) \
+                and "use_cache" in inspect.signature(model.forward).parameters:
+            # transformers' training-time KV cache is what failed for some models (hybrid linear-attention stacks);
+            # gradient checkpointing turns it off, so that run can be measured
+            for handle in handles:
+                handle.remove()
+            handles.clear()
+            retried = trace_activations(model, library=library, batch_size=batch_size, seq_len=seq_len,
+                                        precision_mode=precision_mode, full_depth=full_depth, force_flash=force_flash,
+                                        device_type=device_type, capability=capability, use_cache=False)
+            if retried.method == "traced":
+                why = (f"Traced without transformers' KV cache: the forward of {type(model).__name__} fails with it "
+                       f"({type(error).__name__}: {first_line}); gradient checkpointing turns it off, and a run "
+                       "without checkpointing may fail the same way.")
+                return retried.model_copy(update={"note": f"{retried.note} {why}".strip()})
         return ActivationProfile(
             method="not estimated", batch_size=batch_size, seq_len=used_seq, input_description=description,
             precision_mode=precision_mode,
@@ -601,8 +619,9 @@ def _checkpoint_layers(model: Any) -> list[Any]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def _transformers_inputs(model: Any, batch_size: int, seq_len: int | None) -> dict[str, Any]:
-    """Inputs and labels as a training loop passes them, so the loss is part of the trace."""
+def _transformers_inputs(model: Any, batch_size: int, seq_len: int | None, use_cache: bool | None = None) -> dict[str, Any]:
+    """Inputs and labels as a training loop passes them, so the loss is part of the trace (``use_cache=False``:
+    as gradient checkpointing runs the forward)."""
     import torch
 
     config = model.config
@@ -625,6 +644,8 @@ def _transformers_inputs(model: Any, batch_size: int, seq_len: int | None) -> di
     if "labels" in accepts and not name.endswith("ForQuestionAnswering"):
         shape = (batch_size,) if single_label else (batch_size, seq_len)
         inputs["labels"] = torch.zeros(shape, dtype=torch.long)
+    if use_cache is False and "use_cache" in accepts:
+        inputs["use_cache"] = False
     return inputs
 
 

@@ -325,3 +325,21 @@ def test_a_forward_that_outgrows_backward_sets_the_peak():
     checkpointed = options.model_copy(update={"gradient_checkpointing": True})
     assert _forward_phase(acts, checkpointed) == 2 * (1 + 6 + 100)  # before the blocks + kept inputs + one block
     assert _forward_phase(acts.model_copy(update={"forward_measured": False}), options) == 0
+
+
+def test_a_forward_that_fails_with_the_training_kv_cache_is_traced_as_checkpointing_runs_it(tmp_path):
+    """transformers builds a KV cache in training unless checkpointing turns it off; for a hybrid stack whose
+    layers here are all linear attention (Bamba), that cache makes transformers' own forward fail. The trace
+    then runs the forward without it, as a checkpointed run does, and says so (it was "not estimated")."""
+    import transformers
+
+    config = transformers.BambaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=1000, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+        architectures=["BambaForCausalLM"])
+    config.save_pretrained(tmp_path)
+    result = estimate(str(tmp_path), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=4, seq_len=128,
+                                                     gradient_checkpointing=True, device_type="cpu"))
+    acts = result.profile.activations
+    assert acts.method == "traced" and acts.saved_bytes > 0
+    assert "without transformers' KV cache" in acts.note and "get_mask_sizes" in acts.note
