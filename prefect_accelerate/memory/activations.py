@@ -232,7 +232,7 @@ def trace_activations(
             recorder.largest = max(recorder.largest, _nbytes(base))
     count = len(recorder.layer_index)
     measured = _measure_backward(loss, recorder, mode, list(model.parameters()))  # last: it frees the graph
-    every_block = bool(count) and len(measured.blocks) == count
+    every_block = bool(count) and bool(measured.blocks) and len(measured.blocks) == measured.expected
     block_peak = max(measured.blocks.values()) if every_block else max(recorder.block_peak.values(), default=0)
     per_layer = [recorder.saved_in[i] for i in range(count)]
     inputs = [recorder.inputs_of[i] for i in range(count)]
@@ -399,8 +399,11 @@ class _BackwardFigures:
     """What a backward on the fake graph measured (`_measure_backward`); empty when it could not run."""
 
     def __init__(self, blocks: dict[int, int] | None = None, rises: dict[int, int] | None = None,
-                 head: int | None = None) -> None:
+                 head: int | None = None, expected: int = 0) -> None:
         self.blocks = blocks or {}  # block -> its saved tensors + its rise: the most its own backward holds
+        #: the block calls whose output requires grad (a call under no_grad, as a model that loops its blocks
+        #: may make, has no backward); the figures are complete when every one of them was measured
+        self.expected = expected
         self.rises = rises or {}  # block -> its gradient in plus the most live memory rose above its start
         self.head = head  # the most live memory rose from backward's start until the first block's
 
@@ -420,6 +423,7 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
     if loss is None or not getattr(loss, "requires_grad", False) or not recorder.block_out:
         return _BackwardFigures()
     meter = _LiveBytes()
+    expected = len(recorder.block_out)
     for tensor in recorder.keep:  # what forward saved: alive when backward starts, freed as it goes
         meter.track(tensor)
     handles = [tensor.register_hook(lambda grad, index=index: meter.enter(index, grad))
@@ -440,7 +444,7 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
         for handle in handles:
             handle.remove()
     return _BackwardFigures(blocks={index: recorder.saved_in[index] + rise for index, rise in meter.rises.items()},
-                            rises=dict(meter.rises), head=meter.head_rise)
+                            rises=dict(meter.rises), head=meter.head_rise, expected=expected)
 
 
 class _LiveBytes:
@@ -605,6 +609,11 @@ def _absolute_positions(model: Any) -> bool:
 def _image_size(config: Any) -> tuple[int, int]:
     image = getattr(config, "image_size", 224)
     return tuple(image) if isinstance(image, (list, tuple)) else (image, image)  # type: ignore[return-value]
+
+
+def block_count(model: Any) -> int:
+    """How many blocks (the modules activation checkpointing wraps) the model has."""
+    return len(_checkpoint_layers(model))
 
 
 def _checkpoint_layers(model: Any) -> list[Any]:

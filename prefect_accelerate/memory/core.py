@@ -78,7 +78,7 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *
 
 def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfile:
     """Build the trained class without weights, count it, and trace one forward for its activations."""
-    from prefect_accelerate.memory.activations import shallow_config, trace_activations, weight_dtype
+    from prefect_accelerate.memory.activations import block_count, shallow_config, trace_activations, weight_dtype
     from prefect_accelerate.memory.build import build_trained_model, to_fake
     from prefect_accelerate.memory.sizing import model_profile
     from prefect_accelerate.memory.strategies import precision_mode
@@ -105,6 +105,10 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
     dtype = weight_dtype(mode)
     depth = None
     shallow = shallow_config(model.config) if source.library == "transformers" else None
+    if shallow is not None and block_count(model) != shallow[1]:
+        # the config's depth is not its number of blocks (HRM: cache slots over stacks it loops), so a copy with
+        # fewer "layers" is not the same model with fewer blocks: trace the real depth
+        shallow = None
     if shallow is not None:
         config, depth = shallow
         model, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config,

@@ -343,3 +343,28 @@ def test_a_forward_that_fails_with_the_training_kv_cache_is_traced_as_checkpoint
     acts = result.profile.activations
     assert acts.method == "traced" and acts.saved_bytes > 0
     assert "without transformers' KV cache" in acts.note and "get_mask_sizes" in acts.note
+
+
+def test_a_config_whose_depth_is_not_its_block_count_is_traced_at_full_depth(tmp_path):
+    """HRM's num_hidden_layers counts KV-cache slots over the two stacks it loops (2 blocks a stack, 16 slots), not
+    blocks. A copy with num_hidden_layers=2 is then not the same model with fewer blocks (its cache is too short:
+    the trace failed and, retried without the cache, missed the 0.92x it holds). It is traced as it is; each
+    block call with a gradient has its backward measured (the calls it runs under no_grad have none)."""
+    import transformers
+
+    from prefect_accelerate.memory.activations import _checkpoint_layers
+    from prefect_accelerate.memory.build import build_trained_model
+
+    config = transformers.HrmTextConfig(
+        hidden_size=128, num_attention_heads=4, head_dim=32, intermediate_size=256, vocab_size=1000,
+        max_position_embeddings=512, architectures=["HrmTextForCausalLM"])
+    config.save_pretrained(tmp_path)
+    assert config.num_hidden_layers >= 8  # deep enough to be traced shallow, were its depth its blocks
+    source = resolve_model(str(tmp_path))
+    model, _ = build_trained_model(source, False, None, "float32")
+    assert len(_checkpoint_layers(model)) != config.num_hidden_layers
+    result = estimate(str(tmp_path), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=4, seq_len=128,
+                                                     device_type="cpu"))
+    acts = result.profile.activations
+    assert acts.method == "traced" and "KV cache" not in acts.note and "identical blocks" not in acts.note
+    assert acts.block_backward_measured and acts.forward_measured
