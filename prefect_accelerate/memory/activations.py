@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -174,7 +175,7 @@ def trace_activations(
     cache: list[Any] = []
     recorder.forward_meter = forward = _LiveBytes()
     try:
-        with mode, watch, _moe_without_grouped_mm(), _unpadded_masks(), kernels as kernel_log, forward, \
+        with mode, watch, _moe_without_grouped_mm(), _unpadded_masks(), _no_layer_dropped(), kernels as kernel_log, forward, \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
             with _autocast(autocast_dtype):
                 if library == "timm":
@@ -264,6 +265,7 @@ def trace_activations(
         head_backward_bytes=measured.head if every_block and measured.head is not None else 0,
         head_backward_measured=every_block and measured.head is not None,
         block_saved_input_bytes=min((recorder.saved_inputs_in[i] for i in range(count)), default=0),
+        unreached_parameters=_unreached_parameters(model, measured.unreached, full_depth) if every_block else 0,
         forward_peak_bytes=forward.peak,
         block_forward_rise_bytes=max(forward.rises.values(), default=0),
         forward_measured=True,
@@ -399,7 +401,10 @@ class _BackwardFigures:
     """What a backward on the fake graph measured (`_measure_backward`); empty when it could not run."""
 
     def __init__(self, blocks: dict[int, int] | None = None, rises: dict[int, int] | None = None,
-                 head: int | None = None, expected: int = 0) -> None:
+                 head: int | None = None, expected: int = 0, unreached: set[int] | None = None) -> None:
+        #: ids of trainable parameters the loss gave no gradient (an unused cross-attention, a table no input
+        #: indexes): they get no .grad and no optimizer state
+        self.unreached = unreached or set()
         self.blocks = blocks or {}  # block -> its saved tensors + its rise: the most its own backward holds
         #: the block calls whose output requires grad (a call under no_grad, as a model that loops its blocks
         #: may make, has no backward); the figures are complete when every one of them was measured
@@ -431,6 +436,8 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
     handles += [tensor.register_hook(lambda grad, index=index: meter.leave(index))
                 for index, tensor in recorder.block_in.items()]
     handles += [p.register_post_accumulate_grad_hook(lambda p: meter.forget(p.grad)) for p in params if p.requires_grad]
+    for p in params:
+        p.grad = None
     recorder.keep.clear()
     recorder.block_out.clear()
     recorder.block_in.clear()
@@ -443,8 +450,9 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
     finally:
         for handle in handles:
             handle.remove()
+    unreached = {id(p) for p in params if p.requires_grad and p.grad is None}
     return _BackwardFigures(blocks={index: recorder.saved_in[index] + rise for index, rise in meter.rises.items()},
-                            rises=dict(meter.rises), head=meter.head_rise, expected=expected)
+                            rises=dict(meter.rises), head=meter.head_rise, expected=expected, unreached=unreached)
 
 
 class _LiveBytes:
@@ -611,6 +619,20 @@ def _image_size(config: Any) -> tuple[int, int]:
     return tuple(image) if isinstance(image, (list, tuple)) else (image, image)  # type: ignore[return-value]
 
 
+def _unreached_parameters(model: Any, unreached: set[int], full_depth: int | None) -> int:
+    """How many trainable parameters got no gradient, counted for the full depth when the trace was shallow
+    (every block past the traced ones like the last traced block)."""
+    if not unreached:
+        return 0
+    blocks = _checkpoint_layers(model)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    total = sum(p.numel() for p in model.parameters() if id(p) in unreached)
+    if full_depth and blocks and full_depth > len(blocks):
+        last = sum(p.numel() for p in blocks[-1].parameters() if id(p) in unreached and id(p) in in_blocks)
+        total += last * (full_depth - len(blocks))
+    return int(total)
+
+
 def block_count(model: Any) -> int:
     """How many blocks (the modules activation checkpointing wraps) the model has."""
     return len(_checkpoint_layers(model))
@@ -724,6 +746,34 @@ def _unpadded_masks() -> Iterator[None]:
     finally:
         for name, check in originals.items():
             setattr(masking_utils, name, check)
+
+
+_DRAWING = threading.local()
+
+
+@contextlib.contextmanager
+def _no_layer_dropped() -> Iterator[None]:
+    """LayerDrop (`if torch.rand([]) < layerdrop: skip the block`, in some 60 transformers models) draws a scalar
+    and compares it in Python, which fake tensors cannot do. For the trace, a scalar draw in this thread is the
+    largest value `torch.rand` approaches, 1.0, held as a constant fake tensors can compare: no block is dropped,
+    the step that holds the most (drops only ever save memory). Draws of any other shape are torch's own."""
+    import torch
+
+    original = torch.rand
+
+    def rand(*size: Any, **kwargs: Any) -> Any:
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (list, tuple)) else size
+        if getattr(_DRAWING, "active", False) and len(shape) == 0 and "out" not in kwargs and "generator" not in kwargs:
+            return torch.tensor(1.0, dtype=kwargs.get("dtype") or torch.get_default_dtype())
+        return original(*size, **kwargs)
+
+    torch.rand = rand
+    _DRAWING.active = True
+    try:
+        yield
+    finally:
+        _DRAWING.active = False
+        torch.rand = original
 
 
 @contextlib.contextmanager

@@ -150,6 +150,8 @@ class ActivationProfile(_Frozen):
                                      "first block's backward began (the loss, the output layer, the final norm); weights' "
                                      "gradients left out")
     head_backward_measured: bool = False
+    unreached_parameters: int = Field(0, description="measured: trainable parameters the loss gives no gradient in the "
+                                      "fake backward (no .grad, no optimizer state in torch.optim's per-tensor state)")
     forward_peak_bytes: int = Field(0, description="measured: the most live memory at once during the forward, counted from "
                                     "its start (what it saves, its outputs, and the temporaries of the moment)")
     block_forward_rise_bytes: int = Field(0, description="measured: the most live memory rose above its start during one "

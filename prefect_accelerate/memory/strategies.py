@@ -225,6 +225,15 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     per_machine = n // m
     s = shard_factor(options)
     mp = options.mixed_precision != "no"
+    unreached_note = None
+    acts = profile.activations
+    if strategy == "ddp" and n == 1 and acts is not None and acts.unreached_parameters and profile.trainable_parameters:
+        # one process runs without a DDP wrapper: a parameter the loss never reaches keeps .grad None, and
+        # torch.optim makes no state for it (a DDP wrapper over several processes buckets every parameter)
+        unreached = min(acts.unreached_parameters, profile.trainable_parameters)
+        profile = profile.model_copy(update={"trainable_parameters": profile.trainable_parameters - unreached})
+        unreached_note = (f"{unreached:,} trainable parameters get no gradient from the loss (measured by backward on "
+                          "the fake graph): no gradient and no optimizer state are counted for them.")
     opt = _optimizer_state_bytes(profile, options.optimizer, flat=strategy != "ddp")
     if strategy == "ddp":
         layout = _ddp(profile, options, opt, per_machine)
@@ -233,6 +242,8 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     else:
         layout = _fsdp(profile, options, opt, per_machine, s)
     device, cpu, notes = list(layout.device), list(layout.cpu), list(layout.notes)
+    if unreached_note:
+        notes.append(unreached_note)
 
     activation_item, backward, backward_formula, act_notes, method = _activation_items(
         profile.activations, options, strategy == "ddp" and mp)

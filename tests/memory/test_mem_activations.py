@@ -368,3 +368,50 @@ def test_a_config_whose_depth_is_not_its_block_count_is_traced_at_full_depth(tmp
     acts = result.profile.activations
     assert acts.method == "traced" and "KV cache" not in acts.note and "identical blocks" not in acts.note
     assert acts.block_backward_measured and acts.forward_measured
+
+
+def test_layerdrop_is_traced_with_every_block_kept(tmp_path):
+    """M2M100 drops each block with probability 0.05 in training, drawing `torch.rand([])` and comparing it in
+    Python; fake tensors cannot compare a draw, so it was "not estimated". The trace now keeps every block (the
+    step that holds the most), and the other draws stay torch's own."""
+    import torch
+    import transformers
+
+    config = transformers.M2M100Config(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                       decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128,
+                                       vocab_size=500, architectures=["M2M100ForConditionalGeneration"])
+    assert config.encoder_layerdrop > 0 and config.decoder_layerdrop > 0
+    config.save_pretrained(tmp_path)
+    full = estimate(str(tmp_path), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=2, seq_len=32,
+                                                   device_type="cpu")).profile.activations
+    assert full.method == "traced"
+    assert len(full.per_layer_bytes) == 4 and min(full.per_layer_bytes) > 0  # no block dropped
+    assert torch.rand([]).item() < 1.0 and torch.rand(3).shape == (3,)  # torch's own again
+
+
+def test_parameters_the_loss_never_reaches_get_no_gradient_and_no_optimizer_state(tmp_path):
+    """BartForCausalLM is BART's decoder alone: its cross-attention weights are built but never used, so real
+    training leaves their .grad None and AdamW makes no state for them. The fake backward finds exactly those
+    parameters; one process (no DDP wrapper) then counts gradients and states for the rest only."""
+    import torch
+    import transformers
+
+    config = transformers.BartConfig(d_model=64, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=128,
+                                     encoder_layers=2, vocab_size=500, architectures=["BartForCausalLM"])
+    config.save_pretrained(tmp_path)
+    model = transformers.BartForCausalLM(config).train()
+    ids = torch.randint(1, 500, (2, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    real = sum(p.numel() for p in model.parameters() if p.requires_grad and p.grad is None)
+    assert real > 0
+
+    options = EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=2, seq_len=32, device_type="cpu")
+    result = estimate(str(tmp_path), options)
+    assert result.profile.activations.unreached_parameters == real
+    trainable = result.profile.trainable_parameters
+    assert result.breakdown.item("gradients").bytes == 4 * (trainable - real)
+    assert result.breakdown.item("optimizer_states").bytes == 8 * (trainable - real)
+    assert any("get no gradient" in note for note in result.breakdown.notes)
+    # several processes: DDP's buckets cover every parameter, so nothing is taken off
+    two = estimate(str(tmp_path), options.model_copy(update={"num_processes": 2}))
+    assert two.breakdown.item("gradients").bytes == 4 * trainable
