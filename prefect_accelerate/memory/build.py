@@ -120,10 +120,15 @@ def load_transformers_config(source: ModelSource, trust_remote_code: bool) -> An
                 "ships its own code."
             ) from None
         raise EstimateError(f"transformers could not read the config of `{source.name}` ({source.location}): {text}") from None
-    except (OSError, KeyError, TypeError) as error:
+    except Exception as error:  # noqa: BLE001 - the config class's own validation (huggingface_hub's strict
+        # dataclass errors are no ValueError), a missing file, a field of the wrong type: the config is the input
+        broken = failed_import(error)
+        if broken is not None:
+            raise DependencyError.broken(broken[0], broken[1], f"Reading the config of `{source.name}`") from None
+        text = " ".join(str(error).split())
         raise EstimateError(
             f"transformers could not read the config of `{source.name}` ({source.location}): "
-            f"{type(error).__name__}: {error}. Check config.json, or rewrite it with `config.save_pretrained`."
+            f"{type(error).__name__}: {text.rstrip('.')}. Check config.json, or rewrite it with `config.save_pretrained`."
         ) from None
 
 
@@ -280,13 +285,14 @@ def _construct(source: ModelSource, make: Any, context: Any, class_name: str) ->
             f"Building `{class_name}` for `{source.name}` without weights failed: {error}. Check the config "
             f"({source.location}) or choose another class with `--model_class`."
         ) from None
-    except (ImportError, OSError, RuntimeError, TypeError, AttributeError, KeyError) as error:
+    except Exception as error:  # noqa: BLE001 - the model's own constructor rejects the config in its own way
+        # (an assert, an IndexError from a per-layer list too short, ...): the config is the input, so say so
         broken = failed_import(error)
         if broken is not None:  # a library transformers/timm imports on the way is broken: name it, not the class
             raise DependencyError.broken(broken[0], broken[1], f"Sizing `{source.name}`") from None
         raise EstimateError(
             f"Building `{class_name}` for `{source.name}` without weights failed: {type(error).__name__}: "
-            f"{error}. Check the config ({source.location}), install what the message names, or choose another "
+            f"{str(error).rstrip('.')}. Check the config ({source.location}), install what the message names, or choose another "
             "class with `--model_class`."
         ) from None
 

@@ -161,3 +161,34 @@ def test_an_unknown_attn_implementation_is_refused_by_the_parser():
     with pytest.raises(SystemExit) as exit_info:
         parse("m", "--attn_implementation", "flex")
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("family", ["squeezebert", "llama", "gpt2"])
+def test_a_config_the_models_own_constructor_rejects_is_bad_input_not_a_traceback(run_cli, tmp_path, family):
+    """A config transformers or the model's own constructor rejects, each in its own way: SqueezeBERT asserts
+    (AssertionError), a Llama whose per-layer list is one short fails the config class's strict validation
+    (huggingface_hub's error, no ValueError), a GPT-2 with zero heads divides by zero. Each is the user's
+    config, so: exit 2, one paragraph naming the error and the file, no traceback of ours (transformers' own
+    warnings may come first)."""
+    import transformers
+
+    if family == "squeezebert":
+        config = transformers.SqueezeBertConfig(hidden_size=64, embedding_size=32, num_hidden_layers=1,
+                                                architectures=["SqueezeBertForMaskedLM"])
+    elif family == "llama":
+        config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
+                                          vocab_size=100, architectures=["LlamaForCausalLM"])
+        config.save_pretrained(tmp_path)
+        raw = json.loads((tmp_path / "config.json").read_text())
+        raw["layer_types"] = ["full_attention"]  # one entry for two layers
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        config = None
+    else:
+        config = transformers.GPT2Config(n_embd=64, n_layer=1, n_head=0, vocab_size=100, architectures=["GPT2LMHeadModel"])
+    if config is not None:
+        config.save_pretrained(tmp_path)
+    code, out, err = run_cli(tmp_path)
+    assert code == 2, (out, err)
+    assert "prefect_accelerate/" not in out + err  # no frame of ours
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and str(tmp_path) in last and "Error" in last
