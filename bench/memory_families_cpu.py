@@ -81,6 +81,7 @@ def tiny_config(model_type: str, architecture: str):  # noqa: ANN201
 def run_family(model_type: str, architecture: str) -> list[dict]:
     """In the child: estimate and measure the three variants of one family."""
     from prefect_accelerate.memory import EstimateOptions, estimate
+    from prefect_accelerate.memory.probe import cpu_training_peak
 
     rows = []
     try:
@@ -91,7 +92,7 @@ def run_family(model_type: str, architecture: str) -> list[dict]:
     for variant, (precision, checkpointing) in VARIANTS.items():
         row: dict = {"family": model_type, "variant": variant, "architecture": architecture}
         try:
-            row["measured"] = _measure(folder, architecture, precision, checkpointing)
+            row["measured"] = cpu_training_peak(folder, BATCH, SEQ, precision, checkpointing, architecture)
         except Exception as error:  # noqa: BLE001 - transformers itself cannot train this config
             row["skipped"] = f"training: {type(error).__name__}: {str(error)[:160]}"
         gc.collect()  # nothing of this run may be freed while the next one records: a free counts against its peak
@@ -108,32 +109,6 @@ def run_family(model_type: str, architecture: str) -> list[dict]:
             row["ratio"] = round(row["estimate"] / row["measured"], 3)
         rows.append(row)
     return rows
-
-
-def _measure(folder: Path, architecture: str, precision: str, checkpointing: bool) -> int:
-    """The CPU allocator's peak over 3 AdamW steps of Accelerate's loop (memory/probe.py's recorder). Its own
-    function, so that a run that fails leaves nothing alive for the next run's recording."""
-    import torch
-    import transformers
-
-    from prefect_accelerate.memory.measured import batch_for, train_step
-    from prefect_accelerate.memory.probe import allocation_peak, allocation_recorder
-
-    config = transformers.AutoConfig.from_pretrained(folder)
-    torch.manual_seed(0)
-    recorder = allocation_recorder()
-    case = {"library": "transformers", "batch_size": BATCH, "seq_len": SEQ, "mixed_precision": precision}
-    with recorder:
-        model = getattr(transformers, architecture)._from_config(config).train()
-        if checkpointing:
-            model.gradient_checkpointing_enable()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        batch = batch_for(case, model, "cpu")
-        kept: dict = {}
-        for _ in range(3):
-            train_step(case, model, optimizer, batch, "cpu", kept)
-        del kept, model, optimizer
-    return allocation_peak(recorder)
 
 
 def _cap_memory() -> None:

@@ -304,3 +304,34 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def cpu_training_peak(folder: str | Path, batch: int, seq: int, precision: str, checkpointing: bool,
+                      architecture: str | None = None) -> int:
+    """Build the transformers model of a config folder with random weights, train 3 AdamW steps of Accelerate's
+    example loop on CPU in this process, and return the CPU allocator's peak over them (`allocation_recorder`).
+    ``precision``: "no" or "bf16" (autocast). ``architecture``: the class, default the config's first.
+
+    Its own function, so that nothing of one run is alive (and freed, which counts against a peak) while the
+    caller records the next."""
+    import torch
+    import transformers
+
+    from prefect_accelerate.memory.measured import batch_for, train_step
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    cls = getattr(transformers, architecture or config.architectures[0])
+    case = {"library": "transformers", "batch_size": batch, "seq_len": seq, "mixed_precision": precision}
+    torch.manual_seed(0)
+    recorder = allocation_recorder()
+    with recorder:
+        model = cls._from_config(config).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        inputs = batch_for(case, model, "cpu")
+        kept: dict = {}  # the loop's `outputs`: the step before's stay alive through the next forward
+        for _ in range(3):
+            train_step(case, model, optimizer, inputs, "cpu", kept)
+        del kept, model, optimizer
+    return allocation_peak(recorder)

@@ -115,32 +115,11 @@ def own_profile_cache(tmp_path, monkeypatch):
 
 
 def _train_and_measure(folder: Path, shape: dict) -> int:
-    """Build the model of a config folder with random weights, train 3 AdamW steps of Accelerate's example loop
-    in this process, and return the peak PyTorch's CPU allocator reported (memory/probe.py's recorder, the one
-    `--measure` uses on CPU). ``shape`` gives batch, seq, precision ("no"/"bf16") and checkpointing."""
-    import torch
-    import transformers
+    """The CPU allocator's peak over 3 AdamW steps of Accelerate's example loop (memory/probe.py's recorder, the
+    one `--measure` uses on CPU). ``shape`` gives batch, seq, precision ("no"/"bf16") and checkpointing."""
+    from prefect_accelerate.memory.probe import cpu_training_peak
 
-    from prefect_accelerate.memory.measured import batch_for, train_step
-    from prefect_accelerate.memory.probe import allocation_peak, allocation_recorder
-
-    config = transformers.AutoConfig.from_pretrained(folder)
-    cls = getattr(transformers, config.architectures[0])
-    case = {"library": "transformers", "batch_size": shape["batch"], "seq_len": shape["seq"],
-            "mixed_precision": shape["precision"]}
-    torch.manual_seed(0)
-    recorder = allocation_recorder()
-    with recorder:
-        model = cls._from_config(config).train()
-        if shape["checkpointing"]:
-            model.gradient_checkpointing_enable()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        batch = batch_for(case, model, "cpu")
-        kept: dict = {}  # the loop's `outputs`: the step before's stay alive through the next forward
-        for _ in range(3):
-            train_step(case, model, optimizer, batch, "cpu", kept)
-        del kept, model, optimizer
-    return allocation_peak(recorder)
+    return cpu_training_peak(folder, shape["batch"], shape["seq"], shape["precision"], shape["checkpointing"])
 
 
 @pytest.fixture(scope="session")
