@@ -296,6 +296,16 @@ def test_four_tracked_launches_and_a_validate_at_once_all_run_and_are_recorded(p
     assert any(r.state.is_completed() for r in flow_runs(prefect_harness.url, "validate-configs"))
 
 
+def _wait_for_servers(home: Path, cli: subprocess.Popen, timeout: float) -> list[int]:
+    """The pids of the servers running with this PREFECT_HOME once there is one (or the command ended, or time ran out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [p.pid for p in server_processes(home)]
+        if found or cli.poll() is not None or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
 def test_a_per_command_server_ends_with_the_command_even_on_sigterm(tmp_path):
     home = tmp_path / "home"
     env = env_for(home, tmp_path, WORKER_MODE="sleep", WORKER_PID_DIR=str(tmp_path / "pids"), PREFECT_ACCELERATE_SERVER="ephemeral")
@@ -303,8 +313,10 @@ def test_a_per_command_server_ends_with_the_command_even_on_sigterm(tmp_path):
     cli = subprocess.Popen([*LAUNCH, "--grace_period", "5", WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         workers = wait_for_pids(tmp_path / "pids", 2, timeout=600)
+        # the server is searched for in a thread while the training starts (cli/tracking.py's ServerSearch): on a
+        # loaded machine the workers can be up before that thread has started the server, so wait for it
+        servers = _wait_for_servers(home, cli, timeout=120)
         tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
-        servers = [p.pid for p in server_processes(home)]
         assert len(servers) == 1 and servers[0] in tree and os.getsid(servers[0]) != os.getsid(cli.pid)
         cli.send_signal(signal.SIGTERM)
         _, err = cli.communicate(timeout=120)
