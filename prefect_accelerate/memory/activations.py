@@ -248,6 +248,7 @@ def trace_activations(
         note = f"Traced {count} of {full_depth} identical blocks; the rest counted like the last one."
         cache_all, cache_unsaved = (cache_all * full_depth // count, cache_unsaved * full_depth // count)  # one entry per block
     cast_total = recorder.cast_outside + sum(casts)
+    head = measured.head if every_block else None
     return ActivationProfile(
         method="traced", batch_size=batch_size, seq_len=used_seq, input_description=description,
         precision_mode=precision_mode,
@@ -262,8 +263,11 @@ def trace_activations(
         block_backward_peak_bytes=block_peak,
         block_backward_measured=every_block,
         block_backward_rise_bytes=max(measured.rises.values()) if every_block else 0,
-        head_backward_bytes=measured.head if every_block and measured.head is not None else 0,
-        head_backward_measured=every_block and measured.head is not None,
+        head_backward_bytes=head.rise if head is not None else 0,
+        head_backward_gradient_bytes=head.rise_gradients if head is not None else 0,
+        head_gradient_bytes=head.gradients if head is not None else 0,
+        head_left_bytes=head.left_bytes if head is not None else 0,
+        head_backward_measured=head is not None,
         block_saved_input_bytes=min((recorder.saved_inputs_in[i] for i in range(count)), default=0),
         unreached_parameters=_unreached_parameters(model, measured.unreached, full_depth) if every_block else 0,
         forward_peak_bytes=forward.peak,
@@ -401,7 +405,7 @@ class _BackwardFigures:
     """What a backward on the fake graph measured (`_measure_backward`); empty when it could not run."""
 
     def __init__(self, blocks: dict[int, int] | None = None, rises: dict[int, int] | None = None,
-                 head: int | None = None, expected: int = 0, unreached: set[int] | None = None) -> None:
+                 head: _HeadFigures | None = None, expected: int = 0, unreached: set[int] | None = None) -> None:
         #: ids of trainable parameters the loss gave no gradient (an unused cross-attention, a table no input
         #: indexes): they get no .grad and no optimizer state
         self.unreached = unreached or set()
@@ -410,7 +414,7 @@ class _BackwardFigures:
         #: may make, has no backward); the figures are complete when every one of them was measured
         self.expected = expected
         self.rises = rises or {}  # block -> its gradient in plus the most live memory rose above its start
-        self.head = head  # the most live memory rose from backward's start until the first block's
+        self.head = head  # the head's phase: from backward's start until the first block's
 
 
 def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, params: list[Any]) -> _BackwardFigures:
@@ -420,9 +424,10 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
     backward runs: every tensor its backward code makes (a custom autograd Function's own arithmetic, the
     math attention's score gradients), less its saved tensors as backward frees them. For the head (the loss,
     the output layer, the final norm: from backward's start to the first block): the largest rise. Fake
-    tensors allocate nothing, so what is live is counted by storage (`_LiveBytes`). The weights' gradients
-    are left out (each is forgotten once accumulated into ``.grad``): the layouts count them, sharded or
-    not. Blocks whose backward could not be followed are left out; the caller then keeps the forward's
+    tensors allocate nothing, so what is live is counted by storage (`_LiveBytes`). A weight's gradient
+    leaves the count of activations once accumulated into ``.grad`` (the layouts count gradients, sharded or
+    not); the head's phase keeps the ones it made apart, since they stay on top of the activations from then
+    on. Blocks whose backward could not be followed are left out; the caller then keeps the forward's
     bound. The graph is freed afterwards, as a real backward frees it.
     """
     if loss is None or not getattr(loss, "requires_grad", False) or not recorder.block_out:
@@ -435,7 +440,7 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
                for index, tensor in recorder.block_out.items()]
     handles += [tensor.register_hook(lambda grad, index=index: meter.leave(index))
                 for index, tensor in recorder.block_in.items()]
-    handles += [p.register_post_accumulate_grad_hook(lambda p: meter.forget(p.grad)) for p in params if p.requires_grad]
+    handles += [p.register_post_accumulate_grad_hook(meter.gradient_made) for p in params if p.requires_grad]
     for p in params:
         p.grad = None
     recorder.keep.clear()
@@ -452,7 +457,7 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
             handle.remove()
     unreached = {id(p) for p in params if p.requires_grad and p.grad is None}
     return _BackwardFigures(blocks={index: recorder.saved_in[index] + rise for index, rise in meter.rises.items()},
-                            rises=dict(meter.rises), head=meter.head_rise, expected=expected, unreached=unreached)
+                            rises=dict(meter.rises), head=meter.head, expected=expected, unreached=unreached)
 
 
 class _LiveBytes:
@@ -461,8 +466,15 @@ class _LiveBytes:
     Each storage is counted once, from the op that made it (or from the start, for what forward saved) until
     Python frees it, as the allocator would see it; an op that writes into one of its inputs adds nothing.
     `enter` and `leave` bracket one block's backward (hooks on its output and its input): ``rises[block]``
-    is the gradient it started from plus the most live memory rose above its start meanwhile; ``head_rise``
-    is the most it rose from `start_head` until the first block's backward began.
+    is the gradient it started from plus the most live memory rose above its start meanwhile.
+
+    A weight's gradient is counted apart (`gradient_made`, from its post-accumulate hook): it does not grow
+    with the batch as the rest does, and it stays until the optimizer step. The head's phase (`start_head`
+    until the first block's backward begins) is followed in both parts (`head`): at its highest total, how
+    much was activations and how much gradients. A gradient is made by an ordinary op before autograd
+    accumulates it, so when it is accumulated it moves to the gradient side of that record, if it was alive
+    there. What the head made and is still alive when the first block begins (a tied embedding's gradient,
+    which autograd holds until the embedding's own backward adds to it) is kept too.
     """
 
     def __init__(self) -> None:
@@ -478,10 +490,13 @@ class _LiveBytes:
 
         self._mode = _Mode()
         self.live = 0
+        self.grads = 0  # weights' gradients made so far (not in `live`)
         self._finalizers: dict[int, Any] = {}
-        self._open: dict[Any, list[int]] = {}  # block (or "head") -> [live at its start, highest live since, grad in]
+        self._open: dict[Any, list[int]] = {}  # block -> [live at its start, highest live since, grad in]
         self.rises: dict[int, int] = {}
-        self.head_rise: int | None = None
+        self.head: _HeadFigures | None = None  # set when the head's phase ends
+        self._head: _HeadPhase | None = None
+        self._grad_storage: dict[int, tuple[int, int]] = {}  # parameter -> (storage key, bytes) of its .grad
         self.peak = 0  # the most live at once since counting began
 
     def __enter__(self) -> _LiveBytes:
@@ -504,9 +519,11 @@ class _LiveBytes:
         self._finalizers[key] = weakref.finalize(storage, self._freed, key, size)
         for mark in self._open.values():
             mark[1] = max(mark[1], self.live)
+        if self._head is not None:
+            self._head.made(key, size, self.live, self.grads)
 
     def forget(self, tensor: Any) -> None:
-        """Stop counting a tensor's storage (a weight's gradient: counted elsewhere)."""
+        """Stop counting a tensor's storage."""
         if tensor is None:
             return
         storage = tensor.untyped_storage()
@@ -514,9 +531,31 @@ class _LiveBytes:
         if finalizer is not None and finalizer.detach() is not None:
             self.live -= storage.nbytes()
 
+    def gradient_made(self, parameter: Any) -> None:
+        """A weight's gradient was accumulated into ``.grad``: count it as a gradient from now on."""
+        grad = parameter.grad
+        if grad is None:
+            return
+        storage = grad.untyped_storage()
+        key, size = id(storage), storage.nbytes()
+        before = self._grad_storage.get(id(parameter))
+        if before is not None and before[0] != key:
+            self.grads -= before[1]  # a second contribution made a new tensor; the old one is gone
+        if before is None or before[0] != key:
+            self.grads += size
+        self._grad_storage[id(parameter)] = (key, size)
+        self.forget(grad)
+        if self._head is not None:
+            self._head.became_gradient(key, size)
+            self._head.note(self.live, self.grads)
+        elif self.head is not None:
+            self.head.became_gradient(key, size)
+
     def _freed(self, key: int, size: int) -> None:
         self.live -= size
         self._finalizers.pop(key, None)
+        if self._head is not None:
+            self._head.freed(key)
 
     def made(self, args: Any, kwargs: Any, out: Any) -> None:
         inputs = {id(t.untyped_storage()) for t in _tensors_in(list(args) + list((kwargs or {}).values()))}
@@ -536,16 +575,68 @@ class _LiveBytes:
             self.rises[key] = extra + highest - start
 
     def start_head(self) -> None:
-        self._open["head"] = [self.live, self.live, 0]
+        self._head = _HeadPhase(self.live, self.grads)
 
     def enter(self, index: int, grad: Any) -> None:
-        head = self._open.pop("head", None)
-        if head is not None:
-            self.head_rise = head[1] - head[0]
+        if self._head is not None:
+            incoming = grad.untyped_storage() if grad is not None else None
+            self.head = self._head.end(self.grads, id(incoming) if incoming is not None else None)
+            self._head = None
         self.open(index, _nbytes(grad))
 
     def leave(self, index: int) -> None:
         self.close(index)
+
+
+class _HeadPhase:
+    """The head's phase of backward while it runs (for `_LiveBytes`)."""
+
+    def __init__(self, live: int, grads: int) -> None:
+        self.start_live, self.start_grads = live, grads
+        self.alive: dict[int, int] = {}  # storages made in this phase and not freed: key -> bytes
+        self.best = 0  # the highest (live - start) + (gradients made in this phase) so far
+        self.best_live, self.best_grads = 0, 0
+        self.at_best: dict[int, int] = {}  # what of `alive` was alive then (a gradient-to-be may be among it)
+
+    def made(self, key: int, size: int, live: int, grads: int) -> None:
+        self.alive[key] = size
+        self.note(live, grads)
+
+    def note(self, live: int, grads: int) -> None:
+        rise, made = live - self.start_live, grads - self.start_grads
+        if rise + made > self.best:
+            self.best, self.best_live, self.best_grads, self.at_best = rise + made, rise, made, dict(self.alive)
+
+    def freed(self, key: int) -> None:
+        self.alive.pop(key, None)
+
+    def became_gradient(self, key: int, size: int) -> None:
+        self.alive.pop(key, None)
+        if self.at_best.pop(key, None) is not None:
+            self.best_live -= size
+            self.best_grads += size
+
+    def end(self, grads: int, incoming: int | None) -> _HeadFigures:
+        left = sum(size for key, size in self.alive.items() if key != incoming)
+        return _HeadFigures(rise=self.best_live, rise_gradients=self.best_grads, gradients=grads - self.start_grads,
+                            left={key: size for key, size in self.alive.items() if key != incoming}, left_bytes=left)
+
+
+class _HeadFigures:
+    """What the head's phase of backward measured: at its highest, the rise in activations (`rise`) and the weights'
+    gradients made by then (`rise_gradients`); the gradients made by its end (`gradients`); what it made that is
+    still alive when the first block begins, besides that block's incoming gradient (`left_bytes`). A storage of
+    `left` that later becomes a weight's gradient (a tied embedding's, added to by the embedding's backward)
+    moves to `gradients`."""
+
+    def __init__(self, rise: int, rise_gradients: int, gradients: int, left: dict[int, int], left_bytes: int) -> None:
+        self.rise, self.rise_gradients, self.gradients = rise, rise_gradients, gradients
+        self.left, self.left_bytes = left, left_bytes
+
+    def became_gradient(self, key: int, size: int) -> None:
+        if self.left.pop(key, None) is not None:
+            self.left_bytes -= size
+            self.gradients += size
 
 
 def _cache_tensors(output: Any) -> Iterator[Any]:

@@ -146,9 +146,15 @@ class ActivationProfile(_Frozen):
                                           "saved tensors freed as it goes; weights' gradients left out) rather than bounded")
     block_backward_rise_bytes: int = Field(0, description="measured: the most live memory rose above its start while one "
                                            "block's backward ran, the gradient it started from included (0: not measured)")
-    head_backward_bytes: int = Field(0, description="measured: the most live memory rose above backward's start before the "
-                                     "first block's backward began (the loss, the output layer, the final norm); weights' "
-                                     "gradients left out")
+    head_backward_bytes: int = Field(0, description="measured: at the highest point of backward before the first block's "
+                                     "backward began (the loss, the output layer, the final norm), how far the tensors "
+                                     "other than weights' gradients had risen above backward's start")
+    head_backward_gradient_bytes: int = Field(0, description="measured: the weights' gradients made by that highest point "
+                                              "(they do not grow with the batch)")
+    head_gradient_bytes: int = Field(0, description="measured: the weights' gradients the head's phase makes (alive from "
+                                     "then to the optimizer step), a tied embedding's gradient the head starts included")
+    head_left_bytes: int = Field(0, description="measured: what the head's phase made that is still alive when the first "
+                                 "block's backward begins, besides that block's incoming gradient and weights' gradients")
     head_backward_measured: bool = False
     unreached_parameters: int = Field(0, description="measured: trainable parameters the loss gives no gradient in the "
                                       "fake backward (no .grad, no optimizer state in torch.optim's per-tensor state)")

@@ -244,7 +244,9 @@ def _run_probe(spec: dict[str, Any]) -> dict[str, Any]:
     except (torch.OutOfMemoryError, MemoryError) as error:
         result.update(outcome="out of memory", error=str(error).splitlines()[0][:300])
     except RuntimeError as error:
-        if "can't allocate memory" in str(error) or "out of memory" in str(error).lower():
+        # under the address-space cap an allocation outside torch's allocator (a C++ `new` in a kernel or the
+        # autograd engine) fails with std::bad_alloc, which torch re-raises as a RuntimeError
+        if any(sign in str(error).lower() for sign in ("can't allocate memory", "out of memory", "bad_alloc")):
             result.update(outcome="out of memory", error=str(error).splitlines()[0][:300])
         else:
             result.update(outcome="failed", error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}")

@@ -246,8 +246,8 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
         notes.append(unreached_note)
 
     activation_item, backward, backward_formula, act_notes, method = _activation_items(
-        profile.activations, options, strategy == "ddp" and mp)
-    if strategy == "ddp" and method == "traced":
+        profile.activations, options, strategy == "ddp" and mp, whole_gradients=strategy == "ddp")
+    if strategy == "ddp" and method == "traced" and not profile.activations.head_backward_measured:
         # the first gradients (head / embedding) appear while every activation is still alive
         backward += 4 * profile.largest_tensor_numel
         backward_formula += " + 4 B x the largest weight (its gradient comes first)"
@@ -381,20 +381,30 @@ def _deepspeed_cpu(profile: ModelProfile, stage: int, offload: str, per_machine:
                           f"{per_param} B x P / M x 1.5 (DeepSpeed's estimator)")]
 
 
-def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
-                      keeps_casts: bool) -> tuple[MemoryItem, int, str, list[str], str]:
-    """Activations for this batch, and the backward temporaries (plus DDP's autocast weight copies)."""
+def _activation_items(acts: ActivationProfile | None, options: EstimateOptions, keeps_casts: bool,
+                      whole_gradients: bool = False) -> tuple[MemoryItem, int, str, list[str], str]:
+    """Activations for this batch, and the backward temporaries (plus DDP's autocast weight copies).
+
+    ``whole_gradients``: each process keeps every weight's whole gradient (DDP), so the gradients the head's
+    phase of backward makes (measured on the fake graph, not scaled with the batch) are held on top of the
+    activations from then on."""
     if acts is None or acts.method != "traced":
         note = acts.note if acts is not None and acts.note else "Activations are not counted (no trace was run)."
         return MemoryItem.of("activations", "Activations", 0, "not estimated"), 0, "not estimated", [note], "not estimated"
     scale = options.batch_size / acts.batch_size
     notes = [acts.note] if acts.note else []
     head_rise = acts.head_backward_bytes if acts.head_backward_measured else 2 * acts.largest_tensor_bytes
+    head_grads_at_rise = acts.head_backward_gradient_bytes if whole_gradients else 0
+    head_grads = acts.head_gradient_bytes if whole_gradients else 0
     if acts.head_backward_measured:
-        # backward's start (the loss, the head), or the last block's backward once the head's saved tensors are freed
-        backward = max(acts.head_backward_bytes, acts.block_backward_rise_bytes - acts.outside_after_layers_bytes, 0) * scale
+        # backward's start (the loss, the head), or the last block's backward once the head's saved tensors are
+        # freed (what the head made and left alive, and its weights' gradients, still held)
+        backward = max(acts.head_backward_bytes * scale + head_grads_at_rise,
+                       (acts.block_backward_rise_bytes + acts.head_left_bytes - acts.outside_after_layers_bytes) * scale
+                       + head_grads, 0)
         backward_formula = ("measured on the fake graph: the most backward adds to what forward saved, at its start (the "
-                            "loss and the head) or in the last block once the head's tensors are freed")
+                            "loss and the head, with the weights' gradients made by then) or in the last block once the "
+                            "head's tensors are freed")
     else:
         backward = 2 * acts.largest_tensor_bytes * scale
         backward_formula = "2 x the largest activation (its gradient and the next one)"
@@ -410,7 +420,7 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions,
         kept = before + acts.layer_input_bytes + acts.retained_output_bytes + (
             acts.outside_after_layers_bytes if head >= block else max(acts.per_layer_bytes) - acts.block_saved_input_bytes)
         if head < block:
-            backward = max(block - max(acts.per_layer_bytes), 0) * scale
+            backward = max(block - max(acts.per_layer_bytes) + acts.head_left_bytes, 0) * scale + head_grads
             backward_formula = ("a block's backward beyond what it saved, measured on the fake graph" if acts.block_backward_measured
                                 else "a block's backward at its worst op: 2 x that op's saved tensor (its gradient and the next "
                                 "one), less what the block saved after it, already freed")

@@ -415,3 +415,54 @@ def test_parameters_the_loss_never_reaches_get_no_gradient_and_no_optimizer_stat
     # several processes: DDP's buckets cover every parameter, so nothing is taken off
     two = estimate(str(tmp_path), options.model_copy(update={"num_processes": 2}))
     assert two.breakdown.item("gradients").bytes == 4 * trainable
+
+
+def test_the_heads_weight_gradients_are_measured_once_not_added_by_rule(tmp_path, train_and_measure):
+    """RemBERT's MLM head projects to a width (1664) far above the model's (128), so its output layer is the
+    largest weight and its gradient is made in the head's phase of backward. The fake backward sees that
+    gradient made by an ordinary op before autograd accumulates it, so the head's measured rise holds it
+    already; a rule that added "4 B x the largest weight" on top counted it twice (1.103 of the allocator's
+    peak). The gradient moves to the gradient side of the head's record once accumulated (it does not grow
+    with the batch), and the estimate sits on the allocator's peak."""
+    import transformers
+
+    config = transformers.RemBertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
+                                        input_embedding_size=256, output_embedding_size=1664, vocab_size=1000,
+                                        max_position_embeddings=512, attention_probs_dropout_prob=0.0,
+                                        hidden_dropout_prob=0.0, pad_token_id=0, architectures=["RemBertForMaskedLM"])
+    config.save_pretrained(tmp_path)
+    options = EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=4, seq_len=128, device_type="cpu")
+    result = estimate(str(tmp_path), options)
+    acts = result.profile.activations
+    decoder = 4 * 1664 * 1000
+    assert acts.head_backward_measured and acts.head_gradient_bytes >= decoder  # the output layer's, made in the head
+    assert acts.head_backward_gradient_bytes + acts.head_backward_bytes >= decoder  # at the head's highest point
+    assert "largest weight" not in result.breakdown.item("backward_temporaries").formula
+    measured = train_and_measure(tmp_path, {"batch": 4, "seq": 128, "precision": "no", "checkpointing": False})
+    ratio = result.breakdown.device_total_bytes / measured
+    assert 0.98 <= ratio <= 1.02, ratio
+    # a larger batch scales the activations' part of the head's rise, not the gradients made by then
+    double = estimate(str(tmp_path), options.model_copy(update={"batch_size": 8}))
+    rise = lambda r: r.breakdown.item("backward_temporaries").bytes  # noqa: E731
+    assert rise(double) <= 2 * rise(result)
+
+
+def test_a_tied_embeddings_gradient_started_by_the_head_stays_through_the_blocks():
+    """With tied input and output embeddings, the output layer's share of the gradient is made in the head's
+    phase and autograd holds it until the embedding's own share is added, after the last block: it is part of
+    what the head leaves alive for the blocks' phase. Untied, the output layer's gradient is accumulated at
+    once and counted as a gradient instead."""
+    import tempfile
+
+    import transformers
+
+    found = {}
+    for tied in (True, False):
+        folder = tempfile.mkdtemp()
+        transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=2000, bos_token_id=0, eos_token_id=0,
+                                tie_word_embeddings=tied, architectures=["GPT2LMHeadModel"]).save_pretrained(folder)
+        found[tied] = estimate(folder, EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=4, seq_len=128,
+                                                       device_type="cpu")).profile.activations
+    table = 4 * 2000 * 128
+    assert found[True].head_left_bytes + found[True].head_gradient_bytes >= table
+    assert found[False].head_gradient_bytes >= table and found[False].head_left_bytes < table
