@@ -238,6 +238,13 @@ def trace_activations(
     per_layer = [recorder.saved_in[i] for i in range(count)]
     inputs = [recorder.inputs_of[i] for i in range(count)]
     casts = [recorder.casts_in[i] for i in range(count)]
+    # per block call, for the phases of backward one by one (strategies._block_phases): at the highest point of
+    # its own backward, what it saved plus its activations' rise, and the weights' gradients made by then; and
+    # whose gradients its backward makes (a call with no backward, under no_grad, holds and makes none)
+    phases = measured.phases if every_block else {}
+    peaks = [recorder.saved_in[i] + phases[i].rise if i in phases else 0 for i in range(count)] if phases else []
+    peak_grads = [phases[i].rise_gradients if i in phases else 0 for i in range(count)] if phases else []
+    block_params = _block_parameters(model, recorder.layer_index, set(phases)) if phases else []
     note = ""
     if full_depth and count and full_depth > count:
         # every block after the traced ones is like the last traced block
@@ -245,6 +252,8 @@ def trace_activations(
         per_layer += [per_layer[-1]] * extra
         inputs += [inputs[-1]] * extra
         casts += [casts[-1]] * extra
+        for figures in (peaks, peak_grads, block_params):
+            figures += [figures[-1]] * extra if figures else []
         note = f"Traced {count} of {full_depth} identical blocks; the rest counted like the last one."
         cache_all, cache_unsaved = (cache_all * full_depth // count, cache_unsaved * full_depth // count)  # one entry per block
     cast_total = recorder.cast_outside + sum(casts)
@@ -257,6 +266,10 @@ def trace_activations(
         outside_after_layers_bytes=recorder.outside_after,
         per_layer_bytes=per_layer,
         layer_input_bytes=sum(inputs),
+        block_input_bytes=inputs,
+        block_backward_peaks=peaks,
+        block_backward_gradient_bytes=peak_grads,
+        block_parameters=block_params,
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
         largest_layer_tensor_bytes=recorder.largest_in_layers,
@@ -405,7 +418,7 @@ class _BackwardFigures:
     """What a backward on the fake graph measured (`_measure_backward`); empty when it could not run."""
 
     def __init__(self, blocks: dict[int, int] | None = None, rises: dict[int, int] | None = None,
-                 head: _HeadFigures | None = None, expected: int = 0, unreached: set[int] | None = None) -> None:
+                 head: _Phase | None = None, phases: dict[int, _Phase] | None = None, expected: int = 0, unreached: set[int] | None = None) -> None:
         #: ids of trainable parameters the loss gave no gradient (an unused cross-attention, a table no input
         #: indexes): they get no .grad and no optimizer state
         self.unreached = unreached or set()
@@ -415,6 +428,7 @@ class _BackwardFigures:
         self.expected = expected
         self.rises = rises or {}  # block -> its gradient in plus the most live memory rose above its start
         self.head = head  # the head's phase: from backward's start until the first block's
+        self.phases = phases or {}  # block -> its phase, with the gradients apart
 
 
 def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, params: list[Any]) -> _BackwardFigures:
@@ -457,7 +471,8 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
             handle.remove()
     unreached = {id(p) for p in params if p.requires_grad and p.grad is None}
     return _BackwardFigures(blocks={index: recorder.saved_in[index] + rise for index, rise in meter.rises.items()},
-                            rises=dict(meter.rises), head=meter.head, expected=expected, unreached=unreached)
+                            rises=dict(meter.rises), head=meter.head, expected=expected, unreached=unreached,
+                            phases={key: phase for key, phase in meter.phases.items() if key != "head" and phase.ended})
 
 
 class _LiveBytes:
@@ -469,12 +484,13 @@ class _LiveBytes:
     is the gradient it started from plus the most live memory rose above its start meanwhile.
 
     A weight's gradient is counted apart (`gradient_made`, from its post-accumulate hook): it does not grow
-    with the batch as the rest does, and it stays until the optimizer step. The head's phase (`start_head`
-    until the first block's backward begins) is followed in both parts (`head`): at its highest total, how
-    much was activations and how much gradients. A gradient is made by an ordinary op before autograd
-    accumulates it, so when it is accumulated it moves to the gradient side of that record, if it was alive
-    there. What the head made and is still alive when the first block begins (a tied embedding's gradient,
-    which autograd holds until the embedding's own backward adds to it) is kept too.
+    with the batch as the rest does, and it stays until the optimizer step. Each phase (the head's, from
+    `start_head` until the first block's backward begins, and each block's) is also followed in both parts
+    (`phases`, a `_Phase` each): at its highest total, how much was activations and how much gradients. A
+    gradient is made by an ordinary op before autograd accumulates it, so when it is accumulated it moves to
+    the gradient side of that record, if it was alive there. What the head made and is still alive when the
+    first block begins (a tied embedding's gradient, which autograd holds until the embedding's own backward
+    adds to it) is kept too.
     """
 
     def __init__(self) -> None:
@@ -494,8 +510,8 @@ class _LiveBytes:
         self._finalizers: dict[int, Any] = {}
         self._open: dict[Any, list[int]] = {}  # block -> [live at its start, highest live since, grad in]
         self.rises: dict[int, int] = {}
-        self.head: _HeadFigures | None = None  # set when the head's phase ends
-        self._head: _HeadPhase | None = None
+        self.phases: dict[Any, _Phase] = {}  # "head" or a block -> its record, open or ended
+        self._running: dict[Any, _Phase] = {}  # the phases still open
         self._grad_storage: dict[int, tuple[int, int]] = {}  # parameter -> (storage key, bytes) of its .grad
         self.peak = 0  # the most live at once since counting began
 
@@ -505,6 +521,12 @@ class _LiveBytes:
 
     def __exit__(self, *exc: Any) -> None:
         self._mode.__exit__(*exc)
+
+    @property
+    def head(self) -> _Phase | None:
+        """The head's phase once it has ended (the first block's backward began)."""
+        phase = self.phases.get("head")
+        return phase if phase is not None and "head" not in self._running else None
 
     def track(self, tensor: Any) -> None:
         import weakref
@@ -519,8 +541,8 @@ class _LiveBytes:
         self._finalizers[key] = weakref.finalize(storage, self._freed, key, size)
         for mark in self._open.values():
             mark[1] = max(mark[1], self.live)
-        if self._head is not None:
-            self._head.made(key, size, self.live, self.grads)
+        for phase in self._running.values():
+            phase.made(key, size, self.live, self.grads)
 
     def forget(self, tensor: Any) -> None:
         """Stop counting a tensor's storage."""
@@ -545,17 +567,16 @@ class _LiveBytes:
             self.grads += size
         self._grad_storage[id(parameter)] = (key, size)
         self.forget(grad)
-        if self._head is not None:
-            self._head.became_gradient(key, size)
-            self._head.note(self.live, self.grads)
-        elif self.head is not None:
-            self.head.became_gradient(key, size)
+        for phase in self.phases.values():
+            phase.became_gradient(key, size)
+        for phase in self._running.values():
+            phase.note(self.live, self.grads)
 
     def _freed(self, key: int, size: int) -> None:
         self.live -= size
         self._finalizers.pop(key, None)
-        if self._head is not None:
-            self._head.freed(key)
+        for phase in self.phases.values():  # ended ones too: Python may give the next storage this id
+            phase.freed(key)
 
     def made(self, args: Any, kwargs: Any, out: Any) -> None:
         inputs = {id(t.untyped_storage()) for t in _tensors_in(list(args) + list((kwargs or {}).values()))}
@@ -575,28 +596,58 @@ class _LiveBytes:
             self.rises[key] = extra + highest - start
 
     def start_head(self) -> None:
-        self._head = _HeadPhase(self.live, self.grads)
+        self._begin("head", 0)
+
+    def _begin(self, key: Any, extra: int) -> None:
+        if key not in self.phases:
+            self.phases[key] = self._running[key] = _Phase(self.live, self.grads, extra)
+
+    def _end(self, key: Any, incoming: int | None = None) -> None:
+        phase = self._running.pop(key, None)
+        if phase is not None:
+            phase.end(self.grads, incoming)
 
     def enter(self, index: int, grad: Any) -> None:
-        if self._head is not None:
+        if "head" in self._running:
             incoming = grad.untyped_storage() if grad is not None else None
-            self.head = self._head.end(self.grads, id(incoming) if incoming is not None else None)
-            self._head = None
+            self._end("head", id(incoming) if incoming is not None else None)
         self.open(index, _nbytes(grad))
+        self._begin(index, _nbytes(grad))
 
     def leave(self, index: int) -> None:
         self.close(index)
+        self._end(index)
 
 
-class _HeadPhase:
-    """The head's phase of backward while it runs (for `_LiveBytes`)."""
+class _Phase:
+    """One phase of backward (the head's, or one block's) for `_LiveBytes`.
 
-    def __init__(self, live: int, grads: int) -> None:
-        self.start_live, self.start_grads = live, grads
+    At its highest total (activations risen above its start + gradients made since): ``rise`` (the
+    activations' part, with ``extra``, bytes already live that belong to it, such as a block's incoming
+    gradient) and ``rise_gradients``; by its end, ``gradients`` made in it, and ``left_bytes``: what it made
+    that is still alive, besides the next phase's incoming gradient. A storage alive at the highest point, or
+    left at the end, that later becomes a weight's gradient (autograd accumulates what an ordinary op made;
+    a tied embedding's gradient is held until the embedding's own share is added) moves to the gradient side.
+    """
+
+    def __init__(self, live: int, grads: int, extra: int = 0) -> None:
+        self.start_live, self.start_grads, self.extra = live, grads, extra
         self.alive: dict[int, int] = {}  # storages made in this phase and not freed: key -> bytes
         self.best = 0  # the highest (live - start) + (gradients made in this phase) so far
         self.best_live, self.best_grads = 0, 0
         self.at_best: dict[int, int] = {}  # what of `alive` was alive then (a gradient-to-be may be among it)
+        self.gradients = 0
+        self.left: dict[int, int] = {}
+        self.left_bytes = 0
+        self.ended = False
+
+    @property
+    def rise(self) -> int:
+        return self.extra + self.best_live
+
+    @property
+    def rise_gradients(self) -> int:
+        return self.best_grads
 
     def made(self, key: int, size: int, live: int, grads: int) -> None:
         self.alive[key] = size
@@ -608,35 +659,27 @@ class _HeadPhase:
             self.best, self.best_live, self.best_grads, self.at_best = rise + made, rise, made, dict(self.alive)
 
     def freed(self, key: int) -> None:
+        """A storage is gone: it cannot become a gradient any more (its figures stand)."""
         self.alive.pop(key, None)
+        self.at_best.pop(key, None)
+        self.left.pop(key, None)
 
     def became_gradient(self, key: int, size: int) -> None:
+        # a block's last weight gradients can be accumulated just after the hook that ends its phase
         self.alive.pop(key, None)
         if self.at_best.pop(key, None) is not None:
             self.best_live -= size
             self.best_grads += size
-
-    def end(self, grads: int, incoming: int | None) -> _HeadFigures:
-        left = sum(size for key, size in self.alive.items() if key != incoming)
-        return _HeadFigures(rise=self.best_live, rise_gradients=self.best_grads, gradients=grads - self.start_grads,
-                            left={key: size for key, size in self.alive.items() if key != incoming}, left_bytes=left)
-
-
-class _HeadFigures:
-    """What the head's phase of backward measured: at its highest, the rise in activations (`rise`) and the weights'
-    gradients made by then (`rise_gradients`); the gradients made by its end (`gradients`); what it made that is
-    still alive when the first block begins, besides that block's incoming gradient (`left_bytes`). A storage of
-    `left` that later becomes a weight's gradient (a tied embedding's, added to by the embedding's backward)
-    moves to `gradients`."""
-
-    def __init__(self, rise: int, rise_gradients: int, gradients: int, left: dict[int, int], left_bytes: int) -> None:
-        self.rise, self.rise_gradients, self.gradients = rise, rise_gradients, gradients
-        self.left, self.left_bytes = left, left_bytes
-
-    def became_gradient(self, key: int, size: int) -> None:
         if self.left.pop(key, None) is not None:
             self.left_bytes -= size
             self.gradients += size
+
+    def end(self, grads: int, incoming: int | None) -> None:
+        self.ended = True
+        self.gradients = grads - self.start_grads
+        self.left = {key: size for key, size in self.alive.items() if key != incoming}
+        self.left_bytes = sum(self.left.values())
+        self.alive = {}
 
 
 def _cache_tensors(output: Any) -> Iterator[Any]:
@@ -722,6 +765,23 @@ def _unreached_parameters(model: Any, unreached: set[int], full_depth: int | Non
         last = sum(p.numel() for p in blocks[-1].parameters() if id(p) in unreached and id(p) in in_blocks)
         total += last * (full_depth - len(blocks))
     return int(total)
+
+
+def _block_parameters(model: Any, calls: list[int], with_backward: set[int]) -> list[int]:
+    """Per block call (forward order): the trainable parameters whose gradients that call's backward makes. A
+    module called several times has its gradients made by the first of its calls backward reaches, its last
+    call with a backward."""
+    modules = {id(module): module for module in _checkpoint_layers(model)}
+    last: dict[int, int] = {}
+    for index, key in enumerate(calls):
+        if index in with_backward:
+            last[key] = index
+    counts = [0] * len(calls)
+    for key, index in last.items():
+        module = modules.get(key)
+        if module is not None:
+            counts[index] = sum(int(p.numel()) for p in module.parameters() if p.requires_grad)
+    return counts
 
 
 def block_count(model: Any) -> int:

@@ -163,6 +163,16 @@ class ActivationProfile(_Frozen):
     block_forward_rise_bytes: int = Field(0, description="measured: the most live memory rose above its start during one "
                                           "block call's forward (a checkpointed forward holds one block's at a time)")
     forward_measured: bool = False
+    block_input_bytes: list[int] = Field(default_factory=list, description="per block call, in forward order: its "
+                                         "floating-point tensor inputs (what checkpointing keeps of it)")
+    block_backward_peaks: list[int] = Field(default_factory=list, description="measured, per block call in forward order: "
+                                            "what it saved plus, at the highest point of its own backward, how far the "
+                                            "activations rose above its start (its incoming gradient included); empty "
+                                            "when backward was not measured")
+    block_backward_gradient_bytes: list[int] = Field(default_factory=list, description="measured, per block call: the "
+                                                     "weights' gradients its backward had made by that highest point")
+    block_parameters: list[int] = Field(default_factory=list, description="per block call: the trainable parameters whose "
+                                        "gradients its backward makes")
     block_saved_input_bytes: int = Field(0, description="the part of a block's saved tensors that are its own inputs (the "
                                          "residual stream its first norm saves), the least over blocks: checkpointing "
                                          "keeps them as the block's inputs already, and recomputing makes no copy")

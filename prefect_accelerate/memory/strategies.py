@@ -260,10 +260,17 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     by_key = {item.key: item.bytes for item in device}
     resident = sum(by_key.get(k, 0) for k in ("parameters", "optimizer_states", "gathered_layers", "communication_buffers"))
     forward_backward = by_key["activations"] + by_key["backward_temporaries"]
-    last_block = _last_block_phase(profile, options, by_key["gradients"])
+    last_block, where = _block_phases(profile, options, by_key["gradients"])
     if last_block > forward_backward:
-        notes.append(f"The peak of backward comes at its end: the first block ({'recomputed' if options.gradient_checkpointing else 'its saved tensors'}) "
-                     f"with every other block's gradients already made ({human_bytes(last_block)} besides the resident states).")
+        blocks = len(profile.activations.per_layer_bytes)
+        held = "recomputed" if options.gradient_checkpointing else "its saved tensors"
+        if where == 0:
+            notes.append(f"The peak of backward comes at its end: the first block ({held}) with the gradients of the "
+                         f"blocks after it already made ({human_bytes(last_block)} besides the resident states).")
+        else:
+            notes.append(f"The peak of backward comes in the backward of block {where + 1} of {blocks} ({held}), with "
+                         f"the saved tensors of the blocks before it and the gradients of those after it "
+                         f"({human_bytes(last_block)} besides the resident states).")
     step = by_key["gradients"] + by_key["step_temporaries"] + by_key["loop_outputs"]
     forward = _forward_phase(profile.activations, options) + by_key["loop_outputs"]
     if forward > max(forward_backward, last_block, step):
@@ -312,6 +319,61 @@ def _block_backward(acts: ActivationProfile) -> int:
         return acts.block_backward_peak_bytes
     bound = max(acts.per_layer_bytes) + 2 * acts.largest_layer_tensor_bytes
     return min(acts.block_backward_peak_bytes, bound) if acts.block_backward_peak_bytes else bound
+
+
+def _measured_blocks(acts: ActivationProfile | None) -> bool:
+    """Whether backward was measured block by block (`_block_phases` can follow it one block at a time)."""
+    if acts is None or acts.method != "traced" or not acts.per_layer_bytes or not acts.head_backward_measured:
+        return False
+    blocks = len(acts.per_layer_bytes)
+    return all(len(figures) == blocks for figures in (acts.block_backward_peaks, acts.block_backward_gradient_bytes,
+                                                       acts.block_parameters, acts.block_input_bytes))
+
+
+def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: float) -> tuple[float, int]:
+    """The most backward holds while it runs one block, and which block (0: the first, backward's last step).
+
+    Backward runs the blocks last to first. While it runs block k it holds: what came before the blocks, the
+    loop's outputs and what the head left alive; the saved tensors of blocks 0..k-1 (under checkpointing, the
+    kept inputs of blocks 0..k instead, and block k recomputed); block k at the highest point of its own
+    backward (measured on the fake graph: its saved tensors, its activations' rise, and the weights' gradients
+    it had made by then); and the gradients of the head and of every block after k, already made. Each of
+    these is measured per block, so a model whose blocks differ (a hybrid of attention and state-space or
+    linear-attention blocks, a stack of experts and dense blocks) is followed block by block: the heaviest
+    block's backward is not assumed to come first, nor last. Activations scale with the batch; gradients do
+    not, and are sharded as the layout shards them (``gradients``: the layout's gradient bytes).
+
+    Without per-block figures (backward not measured), the bound of `_last_block_phase`.
+    """
+    acts = profile.activations
+    if acts is None or acts.method != "traced" or not acts.per_layer_bytes or profile.trainable_parameters <= 0:
+        return 0, -1
+    if not _measured_blocks(acts):
+        return _last_block_phase(profile, options, gradients), 0
+    scale = options.batch_size / acts.batch_size
+    per_parameter = gradients / profile.trainable_parameters  # a gradient's bytes per parameter in this layout
+    element = 2 if acts.precision_mode.split("+")[0] in ("bf16", "fp16") else 4  # the fake weights' dtype
+    checkpointed = options.gradient_checkpointing
+    before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
+    base = before + acts.retained_output_bytes + acts.head_left_bytes + (0 if checkpointed else acts.cache_unsaved_bytes)
+    made = acts.head_gradient_bytes / element  # parameters whose gradients are made when block k's backward runs
+    earlier_saved = sum(acts.per_layer_bytes)
+    kept_inputs = sum(acts.block_input_bytes)
+    best, where = 0.0, -1
+    for k in reversed(range(len(acts.per_layer_bytes))):
+        earlier_saved -= acts.per_layer_bytes[k]
+        if checkpointed:
+            # its input is kept by checkpointing; the recomputed block does not hold a second copy of it
+            held = base + kept_inputs + max(acts.block_backward_peaks[k] - acts.block_saved_input_bytes, 0)
+        else:
+            held = base + earlier_saved + acts.block_backward_peaks[k]
+        own = acts.block_backward_gradient_bytes[k] / element
+        value = held * scale + per_parameter * min(made + own, profile.trainable_parameters)
+        if value > best:
+            best, where = value, k
+        made += acts.block_parameters[k]
+        kept_inputs -= acts.block_input_bytes[k]
+    return int(best), where
 
 
 def _last_block_phase(profile: ModelProfile, options: EstimateOptions, gradients: float) -> float:
@@ -396,7 +458,13 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions, 
     head_rise = acts.head_backward_bytes if acts.head_backward_measured else 2 * acts.largest_tensor_bytes
     head_grads_at_rise = acts.head_backward_gradient_bytes if whole_gradients else 0
     head_grads = acts.head_gradient_bytes if whole_gradients else 0
-    if acts.head_backward_measured:
+    by_block = _measured_blocks(acts)
+    if by_block:
+        # backward's start: the loss and the head; each block's phase is `_block_phases`
+        backward = acts.head_backward_bytes * scale + head_grads_at_rise
+        backward_formula = ("measured on the fake graph: the most the loss and the head add to what forward saved, with "
+                            "the weights' gradients made by then (the blocks' phases are followed one by one)")
+    elif acts.head_backward_measured:
         # backward's start (the loss, the head), or the last block's backward once the head's saved tensors are
         # freed (what the head made and left alive, and its weights' gradients, still held)
         backward = max(acts.head_backward_bytes * scale + head_grads_at_rise,
@@ -414,7 +482,7 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions, 
         # recomputed, its gradients); the head's saved tensors are freed before the first block is recomputed.
         before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
         head = acts.outside_after_layers_bytes + head_rise
-        block = _block_backward(acts)
+        block = 0 if by_block else _block_backward(acts)  # measured block by block: each is a phase of its own
         phase = "what the head saves" if head >= block else "one block recomputed"
         # a recomputed block makes again what it saved, except its own inputs: those are the kept block inputs
         kept = before + acts.layer_input_bytes + acts.retained_output_bytes + (
@@ -425,7 +493,7 @@ def _activation_items(acts: ActivationProfile | None, options: EstimateOptions, 
                                 else "a block's backward at its worst op: 2 x that op's saved tensor (its gradient and the next "
                                 "one), less what the block saved after it, already freed")
         formula = (f"traced for {acts.input_description}, checkpointed: saved before the blocks + {len(acts.per_layer_bytes)} "
-                   f"block inputs + outputs + {phase} (the larger backward phase: the head's, or one block's)")
+                   f"block inputs + outputs + {phase}" + ("" if by_block else " (the larger backward phase: the head's, or one block's)"))
     else:
         kept = acts.saved_bytes + acts.retained_output_bytes + acts.cache_unsaved_bytes
         formula = f"traced for {acts.input_description}: tensors saved for backward + outputs"

@@ -466,3 +466,34 @@ def test_a_tied_embeddings_gradient_started_by_the_head_stays_through_the_blocks
     table = 4 * 2000 * 128
     assert found[True].head_left_bytes + found[True].head_gradient_bytes >= table
     assert found[False].head_gradient_bytes >= table and found[False].head_left_bytes < table
+
+
+def test_backward_is_followed_block_by_block_when_the_blocks_differ():
+    """Backward runs the blocks last to first; while it runs block k it holds the saved tensors of the blocks
+    before k, block k at its own highest point, and the gradients of the head and of the blocks after k. With
+    a heavy block in the middle the peak is there, neither at backward's start nor at its end; its
+    activations grow with the batch and its gradients do not."""
+    from prefect_accelerate.memory.models import ActivationProfile, EstimateOptions, ModelProfile
+    from prefect_accelerate.memory.strategies import _block_phases
+
+    acts = ActivationProfile(
+        method="traced", batch_size=4, seq_len=128, input_description="", precision_mode="fp32",
+        saved_bytes=3 + 120, outside_layers_bytes=3, outside_after_layers_bytes=2, per_layer_bytes=[10, 100, 10],
+        block_input_bytes=[1, 1, 1], block_backward_peaks=[12, 130, 12], block_backward_gradient_bytes=[0, 8, 0],
+        block_parameters=[5, 5, 5], head_backward_measured=True, head_gradient_bytes=40, head_left_bytes=0,
+        retained_output_bytes=0, block_saved_input_bytes=1)
+    profile = ModelProfile.model_construct(activations=acts, trainable_parameters=25, parameters=25)
+    options = EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=4, seq_len=128)
+    gradients = 4 * 25
+    value, where = _block_phases(profile, options, gradients)
+    # block 1: before the blocks (1) + block 0's saved (10) + its own highest point (130); gradients: the head's
+    # 10 parameters + block 2's 5 + the 2 block 1 had made by then, 4 B each
+    assert where == 1 and value == 1 + 10 + 130 + 4 * (10 + 5 + 2)
+    doubled, _ = _block_phases(profile, options.model_copy(update={"batch_size": 8}), gradients)
+    assert doubled == 2 * (1 + 10 + 130) + 4 * 17
+    # checkpointed: the kept inputs of blocks 0..1 and block 1 recomputed less its own input
+    checkpointed, where = _block_phases(profile, options.model_copy(update={"gradient_checkpointing": True}), gradients)
+    assert where == 1 and checkpointed == 1 + 2 + (130 - 1) + 4 * 17
+    # sharded gradients (a layout's gradient bytes per parameter): the gradients' part shrinks with them
+    sharded, _ = _block_phases(profile, options, gradients / 4)
+    assert sharded == 1 + 10 + 130 + 17
