@@ -192,7 +192,7 @@ def trace_activations(
     except Exception as error:  # data-dependent control flow, unsupported ops, custom code
         first_line = (str(error).splitlines() or [""])[0][:200]
         if use_cache is None and library == "transformers" and getattr(config, "use_cache", False) \
-                and "use_cache" in inspect.signature(model.forward).parameters:
+                and _takes_use_cache(model):
             # transformers' training-time KV cache is what failed for some models (hybrid linear-attention stacks);
             # gradient checkpointing turns it off, so that run can be measured
             for handle in handles:
@@ -801,6 +801,18 @@ def _checkpoint_layers(model: Any) -> list[Any]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
+def _takes_use_cache(model: Any) -> bool:
+    """Whether the model's forward takes ``use_cache``: by name, or through ``**kwargs`` that a head class hands to
+    its base model (transformers 5's causal-LM heads pass what they do not name on to it)."""
+    accepts = inspect.signature(model.forward).parameters
+    if "use_cache" in accepts:
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepts.values()):
+        return False
+    base = getattr(model, getattr(model, "base_model_prefix", "") or "", None)
+    return base is not None and base is not model and "use_cache" in inspect.signature(base.forward).parameters
+
+
 def _transformers_inputs(model: Any, batch_size: int, seq_len: int | None, use_cache: bool | None = None) -> dict[str, Any]:
     """Inputs and labels as a training loop passes them, so the loss is part of the trace (``use_cache=False``:
     as gradient checkpointing runs the forward)."""
@@ -826,7 +838,7 @@ def _transformers_inputs(model: Any, batch_size: int, seq_len: int | None, use_c
     if "labels" in accepts and not name.endswith("ForQuestionAnswering"):
         shape = (batch_size,) if single_label else (batch_size, seq_len)
         inputs["labels"] = torch.zeros(shape, dtype=torch.long)
-    if use_cache is False and "use_cache" in accepts:
+    if use_cache is False and _takes_use_cache(model):
         inputs["use_cache"] = False
     return inputs
 

@@ -345,6 +345,25 @@ def test_a_forward_that_fails_with_the_training_kv_cache_is_traced_as_checkpoint
     assert "without transformers' KV cache" in acts.note and "get_mask_sizes" in acts.note
 
 
+def test_use_cache_reaches_a_base_model_through_the_heads_kwargs(tmp_path):
+    """GraniteMoeHybridForCausalLM names no `use_cache`: it hands its **kwargs to the base model, which takes it.
+    The trace turns the training cache off through them as a checkpointed run does (it was "not estimated":
+    the forward with the cache fails in transformers itself for an all-linear-attention stack)."""
+    import transformers
+
+    config = transformers.GraniteMoeHybridConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+        vocab_size=1000, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, num_local_experts=2,
+        num_experts_per_tok=1, layer_types=["mamba", "mamba"], architectures=["GraniteMoeHybridForCausalLM"])
+    config.save_pretrained(tmp_path)
+    assert "use_cache" not in __import__("inspect").signature(transformers.GraniteMoeHybridForCausalLM.forward).parameters
+    result = estimate(str(tmp_path), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=2, seq_len=64,
+                                                     gradient_checkpointing=True, device_type="cpu"))
+    acts = result.profile.activations
+    assert acts.method == "traced" and acts.saved_bytes > 0, acts.note
+    assert "without transformers' KV cache" in acts.note
+
+
 def test_a_config_whose_depth_is_not_its_block_count_is_traced_at_full_depth(tmp_path):
     """HRM's num_hidden_layers counts KV-cache slots over the two stacks it loops (2 blocks a stack, 16 slots), not
     blocks. A copy with num_hidden_layers=2 is then not the same model with fewer blocks (its cache is too short:
