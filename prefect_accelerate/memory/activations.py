@@ -270,6 +270,7 @@ def trace_activations(
         block_backward_peaks=peaks,
         block_backward_gradient_bytes=peak_grads,
         block_parameters=block_params,
+        block_cast_bytes=casts,
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
         largest_layer_tensor_bytes=recorder.largest_in_layers,

@@ -171,6 +171,8 @@ class ActivationProfile(_Frozen):
                                             "when backward was not measured")
     block_backward_gradient_bytes: list[int] = Field(default_factory=list, description="measured, per block call: the "
                                                      "weights' gradients its backward had made by that highest point")
+    block_cast_bytes: list[int] = Field(default_factory=list, description="per block call: autocast's 16-bit copies of its "
+                                        "weights that it saves for backward (part of autocast_weight_copy_bytes)")
     block_parameters: list[int] = Field(default_factory=list, description="per block call: the trainable parameters whose "
                                         "gradients its backward makes")
     block_saved_input_bytes: int = Field(0, description="the part of a block's saved tensors that are its own inputs (the "

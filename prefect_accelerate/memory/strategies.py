@@ -260,7 +260,7 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     by_key = {item.key: item.bytes for item in device}
     resident = sum(by_key.get(k, 0) for k in ("parameters", "optimizer_states", "gathered_layers", "communication_buffers"))
     forward_backward = by_key["activations"] + by_key["backward_temporaries"]
-    last_block, where = _block_phases(profile, options, by_key["gradients"])
+    last_block, where = _block_phases(profile, options, by_key["gradients"], keeps_casts=strategy == "ddp" and mp)
     if last_block > forward_backward:
         blocks = len(profile.activations.per_layer_bytes)
         held = "recomputed" if options.gradient_checkpointing else "its saved tensors"
@@ -330,7 +330,8 @@ def _measured_blocks(acts: ActivationProfile | None) -> bool:
                                                        acts.block_parameters, acts.block_input_bytes))
 
 
-def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: float) -> tuple[float, int]:
+def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: float,
+                  keeps_casts: bool = False) -> tuple[float, int]:
     """The most backward holds while it runs one block, and which block (0: the first, backward's last step).
 
     Backward runs the blocks last to first. While it runs block k it holds: what came before the blocks, the
@@ -342,6 +343,8 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
     linear-attention blocks, a stack of experts and dense blocks) is followed block by block: the heaviest
     block's backward is not assumed to come first, nor last. Activations scale with the batch; gradients do
     not, and are sharded as the layout shards them (``gradients``: the layout's gradient bytes).
+    ``keeps_casts`` (DDP with autocast): the 16-bit weight copies the blocks saved are held too, those of
+    blocks 0..k (of block k alone under checkpointing, which recomputes them), and those outside the blocks.
 
     Without per-block figures (backward not measured), the bound of `_last_block_phase`.
     """
@@ -359,6 +362,9 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
     made = acts.head_gradient_bytes / element  # parameters whose gradients are made when block k's backward runs
     earlier_saved = sum(acts.per_layer_bytes)
     kept_inputs = sum(acts.block_input_bytes)
+    casts = list(acts.block_cast_bytes) if keeps_casts and len(acts.block_cast_bytes) == len(acts.per_layer_bytes) else []
+    earlier_casts = sum(casts)
+    cast_outside = max(acts.autocast_weight_copy_bytes - earlier_casts, 0) if keeps_casts else 0
     best, where = 0.0, -1
     for k in reversed(range(len(acts.per_layer_bytes))):
         earlier_saved -= acts.per_layer_bytes[k]
@@ -368,7 +374,12 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
         else:
             held = base + earlier_saved + acts.block_backward_peaks[k]
         own = acts.block_backward_gradient_bytes[k] / element
-        value = held * scale + per_parameter * min(made + own, profile.trainable_parameters)
+        if casts:
+            copies = cast_outside + (casts[k] if checkpointed else earlier_casts)
+            earlier_casts -= casts[k]
+        else:
+            copies = acts.autocast_weight_copy_bytes if keeps_casts else 0
+        value = held * scale + per_parameter * min(made + own, profile.trainable_parameters) + copies
         if value > best:
             best, where = value, k
         made += acts.block_parameters[k]

@@ -516,3 +516,11 @@ def test_backward_is_followed_block_by_block_when_the_blocks_differ():
     # sharded gradients (a layout's gradient bytes per parameter): the gradients' part shrinks with them
     sharded, _ = _block_phases(profile, options, gradients / 4)
     assert sharded == 1 + 10 + 130 + 17
+    # DDP with autocast: the 16-bit weight copies blocks 0..1 saved, and those outside the blocks (2), are held
+    # too; checkpointed, only block 1's (recomputing it makes them again)
+    cast = profile.model_copy(update={"activations": acts.model_copy(update={
+        "block_cast_bytes": [3, 3, 3], "autocast_weight_copy_bytes": 11})})
+    with_casts, _ = _block_phases(cast, options, gradients, keeps_casts=True)
+    assert with_casts == value + 2 + 3 + 3
+    recomputed, _ = _block_phases(cast, options.model_copy(update={"gradient_checkpointing": True}), gradients, keeps_casts=True)
+    assert recomputed == checkpointed + 2 + 3
