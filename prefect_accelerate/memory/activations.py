@@ -245,6 +245,12 @@ def trace_activations(
     peaks = [recorder.saved_in[i] + phases[i].rise if i in phases else 0 for i in range(count)] if phases else []
     peak_grads = [phases[i].rise_gradients if i in phases else 0 for i in range(count)] if phases else []
     block_params = _block_parameters(model, recorder.layer_index, set(phases)) if phases else []
+    # a checkpointed block is recomputed at the start of its backward, with its incoming gradient alive: the
+    # recomputing forward holds what the block's forward rose to (its saved tensors and the temporaries of its
+    # worst moment: a dropout's mask being made, an expert router's fp32 copy)
+    recomputes = [forward.rises.get(i, 0) + phases[i].extra if i in phases else 0 for i in range(count)] if phases else []
+    # saved outside the blocks, by where: before block g (g = 0..count), the last being the head's
+    gaps = [recorder.outside_gaps.get(g, 0) for g in range(count + 1)]
     note = ""
     if full_depth and count and full_depth > count:
         # every block after the traced ones is like the last traced block
@@ -252,8 +258,10 @@ def trace_activations(
         per_layer += [per_layer[-1]] * extra
         inputs += [inputs[-1]] * extra
         casts += [casts[-1]] * extra
-        for figures in (peaks, peak_grads, block_params):
+        for figures in (peaks, peak_grads, block_params, recomputes):
             figures += [figures[-1]] * extra if figures else []
+        # between identical blocks like between the last two traced ones; the head stays the head
+        gaps = gaps[:-1] + [gaps[-2] if count > 1 else 0] * extra + gaps[-1:]
         note = f"Traced {count} of {full_depth} identical blocks; the rest counted like the last one."
         cache_all, cache_unsaved = (cache_all * full_depth // count, cache_unsaved * full_depth // count)  # one entry per block
     cast_total = recorder.cast_outside + sum(casts)
@@ -271,6 +279,8 @@ def trace_activations(
         block_backward_gradient_bytes=peak_grads,
         block_parameters=block_params,
         block_cast_bytes=casts,
+        block_recompute_peaks=recomputes,
+        outside_gap_bytes=gaps,
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
         largest_layer_tensor_bytes=recorder.largest_in_layers,
@@ -330,6 +340,7 @@ class _SavedTensorRecorder:
         self.casts: set[int] = set()
         self.outside = 0
         self.outside_after = 0
+        self.outside_gaps: dict[int, int] = {}  # blocks done when it was saved -> bytes saved outside the blocks
         self.largest_in_layers = 0
         self.cast_outside = 0
         self.largest = 0
@@ -372,6 +383,11 @@ class _SavedTensorRecorder:
             self.outside += size
             if self.layer_index:  # after the first block: the head, the final norm, the loss
                 self.outside_after += size
+            # by where forward saved it: before block g (g blocks done; g = the last one's count: the head). An
+            # encoder-decoder saves between its stacks (the encoder's final norm, the decoder's embeddings), and
+            # backward frees that only after the blocks that come later
+            gap = len(self.layer_index)
+            self.outside_gaps[gap] = self.outside_gaps.get(gap, 0) + size
         else:
             self.largest_in_layers = max(self.largest_in_layers, size)
             self.saved_in[self.current] += size

@@ -171,6 +171,12 @@ class ActivationProfile(_Frozen):
                                             "when backward was not measured")
     block_backward_gradient_bytes: list[int] = Field(default_factory=list, description="measured, per block call: the "
                                                      "weights' gradients its backward had made by that highest point")
+    block_recompute_peaks: list[int] = Field(default_factory=list, description="measured, per block call: what its "
+                                             "forward rose to above its start, plus its incoming gradient: what "
+                                             "recomputing it under checkpointing holds at its worst moment")
+    outside_gap_bytes: list[int] = Field(default_factory=list, description="tensors saved outside the blocks, by where "
+                                         "forward saved them: before block g for g = 0..blocks-1, and last the head's "
+                                         "(an encoder-decoder saves between its two stacks)")
     block_cast_bytes: list[int] = Field(default_factory=list, description="per block call: autocast's 16-bit copies of its "
                                         "weights that it saves for backward (part of autocast_weight_copy_bytes)")
     block_parameters: list[int] = Field(default_factory=list, description="per block call: the trainable parameters whose "

@@ -327,16 +327,20 @@ def _measured_blocks(acts: ActivationProfile | None) -> bool:
         return False
     blocks = len(acts.per_layer_bytes)
     return all(len(figures) == blocks for figures in (acts.block_backward_peaks, acts.block_backward_gradient_bytes,
-                                                       acts.block_parameters, acts.block_input_bytes))
+                                                       acts.block_parameters, acts.block_input_bytes,
+                                                       acts.block_recompute_peaks)) \
+        and len(acts.outside_gap_bytes) == blocks + 1
 
 
 def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: float,
                   keeps_casts: bool = False) -> tuple[float, int]:
     """The most backward holds while it runs one block, and which block (0: the first, backward's last step).
 
-    Backward runs the blocks last to first. While it runs block k it holds: what came before the blocks, the
-    loop's outputs and what the head left alive; the saved tensors of blocks 0..k-1 (under checkpointing, the
-    kept inputs of blocks 0..k instead, and block k recomputed); block k at the highest point of its own
+    Backward runs the blocks last to first. While it runs block k it holds: what forward saved outside the
+    blocks before block k (before the first block; an encoder-decoder's encoder norm and decoder embeddings,
+    between its stacks), the loop's outputs and what the head left alive; the saved tensors of blocks 0..k-1
+    (under checkpointing, the kept inputs of blocks 0..k instead, and block k recomputed: the larger of its
+    recomputing forward's highest point and its backward's); block k at the highest point of its own
     backward (measured on the fake graph: its saved tensors, its activations' rise, and the weights' gradients
     it had made by then); and the gradients of the head and of every block after k, already made. Each of
     these is measured per block, so a model whose blocks differ (a hybrid of attention and state-space or
@@ -357,8 +361,9 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
     per_parameter = gradients / profile.trainable_parameters  # a gradient's bytes per parameter in this layout
     element = 2 if acts.precision_mode.split("+")[0] in ("bf16", "fp16") else 4  # the fake weights' dtype
     checkpointed = options.gradient_checkpointing
-    before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
-    base = before + acts.retained_output_bytes + acts.head_left_bytes + (0 if checkpointed else acts.cache_unsaved_bytes)
+    base = acts.retained_output_bytes + acts.head_left_bytes + (0 if checkpointed else acts.cache_unsaved_bytes)
+    # saved outside the blocks before block k: alive while block k's backward runs
+    outside_before = [sum(acts.outside_gap_bytes[:k + 1]) for k in range(len(acts.per_layer_bytes))]
     made = acts.head_gradient_bytes / element  # parameters whose gradients are made when block k's backward runs
     earlier_saved = sum(acts.per_layer_bytes)
     kept_inputs = sum(acts.block_input_bytes)
@@ -368,18 +373,21 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
     best, where = 0.0, -1
     for k in reversed(range(len(acts.per_layer_bytes))):
         earlier_saved -= acts.per_layer_bytes[k]
+        own = per_parameter * acts.block_backward_gradient_bytes[k] / element  # its gradients made by its highest point
         if checkpointed:
-            # its input is kept by checkpointing; the recomputed block does not hold a second copy of it
-            held = base + kept_inputs + max(acts.block_backward_peaks[k] - acts.block_saved_input_bytes, 0)
+            # its input is kept by checkpointing; the recomputed block does not hold a second copy of it. Its
+            # recomputing forward comes first, before any of its own gradients are made
+            block = max(max(acts.block_backward_peaks[k] - acts.block_saved_input_bytes, 0) * scale + own,
+                        acts.block_recompute_peaks[k] * scale)
+            held = (base + outside_before[k] + kept_inputs) * scale + block
         else:
-            held = base + earlier_saved + acts.block_backward_peaks[k]
-        own = acts.block_backward_gradient_bytes[k] / element
+            held = (base + outside_before[k] + earlier_saved + acts.block_backward_peaks[k]) * scale + own
         if casts:
             copies = cast_outside + (casts[k] if checkpointed else earlier_casts)
             earlier_casts -= casts[k]
         else:
             copies = acts.autocast_weight_copy_bytes if keeps_casts else 0
-        value = held * scale + per_parameter * min(made + own, profile.trainable_parameters) + copies
+        value = held + per_parameter * min(made, profile.trainable_parameters) + copies
         if value > best:
             best, where = value, k
         made += acts.block_parameters[k]

@@ -500,7 +500,7 @@ def test_backward_is_followed_block_by_block_when_the_blocks_differ():
         saved_bytes=3 + 120, outside_layers_bytes=3, outside_after_layers_bytes=2, per_layer_bytes=[10, 100, 10],
         block_input_bytes=[1, 1, 1], block_backward_peaks=[12, 130, 12], block_backward_gradient_bytes=[0, 8, 0],
         block_parameters=[5, 5, 5], head_backward_measured=True, head_gradient_bytes=40, head_left_bytes=0,
-        retained_output_bytes=0, block_saved_input_bytes=1)
+        retained_output_bytes=0, block_saved_input_bytes=1, block_recompute_peaks=[5, 50, 5], outside_gap_bytes=[1, 0, 0, 2])
     profile = ModelProfile.model_construct(activations=acts, trainable_parameters=25, parameters=25)
     options = EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=4, seq_len=128)
     gradients = 4 * 25
@@ -513,6 +513,13 @@ def test_backward_is_followed_block_by_block_when_the_blocks_differ():
     # checkpointed: the kept inputs of blocks 0..1 and block 1 recomputed less its own input
     checkpointed, where = _block_phases(profile, options.model_copy(update={"gradient_checkpointing": True}), gradients)
     assert where == 1 and checkpointed == 1 + 2 + (130 - 1) + 4 * 17
+    # a recomputing forward that rises above the block's backward sets the block's figure (no gradients yet)
+    heavy = profile.model_copy(update={"activations": acts.model_copy(update={"block_recompute_peaks": [5, 200, 5]})})
+    recomputing, where = _block_phases(heavy, options.model_copy(update={"gradient_checkpointing": True}), gradients)
+    assert where == 1 and recomputing == 1 + 2 + 200 + 4 * (10 + 5)
+    # saved between two stacks (an encoder-decoder's encoder norm): alive for the blocks after it only
+    between = profile.model_copy(update={"activations": acts.model_copy(update={"outside_gap_bytes": [1, 7, 0, 2]})})
+    assert _block_phases(between, options, gradients)[0] == value + 7
     # sharded gradients (a layout's gradient bytes per parameter): the gradients' part shrinks with them
     sharded, _ = _block_phases(profile, options, gradients / 4)
     assert sharded == 1 + 10 + 130 + 17
