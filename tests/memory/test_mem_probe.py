@@ -222,8 +222,6 @@ def _unseen_architectures():
         "gemma2 (eager, soft-capped), checkpointing": (t.Gemma2Config(
             hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, vocab_size=2000, architectures=["Gemma2ForCausalLM"]), "no", True),
-        # its GeLU is a torch.autograd.Function whose backward computes in Python, several temporaries at once:
-        # 0.867 while a block's backward was bounded from the forward, before it was measured on fake tensors
         # its head projects 13x wider than the model: the output layer's gradient is made in the head's backward,
         # and was counted twice (1.103) while a rule added the largest weight's gradient to the measured rise
         "rembert (a head wider than the model), fp32": (t.RemBertConfig(
@@ -234,6 +232,8 @@ def _unseen_architectures():
         "minimax (hybrid attention, experts), checkpointing": (t.MiniMaxConfig(
             hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=32, vocab_size=1000, max_position_embeddings=512, architectures=["MiniMaxForCausalLM"]), "no", True),
+        # its GeLU is a torch.autograd.Function whose backward computes in Python, several temporaries at once:
+        # 0.867 while a block's backward was bounded from the forward, before it was measured on fake tensors
         "bloom (ALiBi, a custom autograd GeLU), checkpointing": (t.BloomConfig(
             hidden_size=128, n_layer=2, n_head=4, vocab_size=1000, architectures=["BloomForCausalLM"]), "no", True),
     }
