@@ -249,7 +249,6 @@ def trace_activations(
     # recomputing forward holds what the block's forward rose to (its saved tensors and the temporaries of its
     # worst moment: a dropout's mask being made, an expert router's fp32 copy)
     recomputes = [forward.rises.get(i, 0) + phases[i].extra if i in phases else 0 for i in range(count)] if phases else []
-    carried = [phases[i].carried if i in phases else 0 for i in range(count)] if phases else []
     # saved outside the blocks, by where: before block g (g = 0..count), the last being the head's
     gaps = [recorder.outside_gaps.get(g, 0) for g in range(count + 1)]
     note = ""
@@ -259,7 +258,7 @@ def trace_activations(
         per_layer += [per_layer[-1]] * extra
         inputs += [inputs[-1]] * extra
         casts += [casts[-1]] * extra
-        for figures in (peaks, peak_grads, block_params, recomputes, carried):
+        for figures in (peaks, peak_grads, block_params, recomputes):
             figures += [figures[-1]] * extra if figures else []
         # between identical blocks like between the last two traced ones; the head stays the head
         gaps = gaps[:-1] + [gaps[-2] if count > 1 else 0] * extra + gaps[-1:]
@@ -281,7 +280,6 @@ def trace_activations(
         block_parameters=block_params,
         block_cast_bytes=casts,
         block_recompute_peaks=recomputes,
-        block_carried_bytes=carried,
         outside_gap_bytes=gaps,
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
@@ -468,7 +466,7 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
     meter = _LiveBytes()
     expected = len(recorder.block_out)
     for tensor in recorder.keep:  # what forward saved: alive when backward starts, freed as it goes
-        meter.track_saved(tensor)
+        meter.track(tensor)
     handles = [tensor.register_hook(lambda grad, index=index: meter.enter(index, grad))
                for index, tensor in recorder.block_out.items()]
     handles += [tensor.register_hook(lambda grad, index=index: meter.leave(index))
@@ -532,8 +530,6 @@ class _LiveBytes:
         self.phases: dict[Any, _Phase] = {}  # "head" or a block -> its record, open or ended
         self._running: dict[Any, _Phase] = {}  # the phases still open
         self._grad_storage: dict[int, tuple[int, int]] = {}  # parameter -> (storage key, bytes) of its .grad
-        self._saved: dict[int, int] = {}  # what forward saved, still alive: key -> bytes
-        self.saved_alive = 0
         self.peak = 0  # the most live at once since counting began
 
     def __enter__(self) -> _LiveBytes:
@@ -564,14 +560,6 @@ class _LiveBytes:
             mark[1] = max(mark[1], self.live)
         for phase in self._running.values():
             phase.made(key, size, self.live, self.grads)
-
-    def track_saved(self, tensor: Any) -> None:
-        """Count what forward saved, alive when backward starts; told apart from what backward makes."""
-        self.track(tensor)
-        key = id(tensor.untyped_storage())
-        if key in self._finalizers and key not in self._saved:
-            self._saved[key] = tensor.untyped_storage().nbytes()
-            self.saved_alive += self._saved[key]
 
     def forget(self, tensor: Any) -> None:
         """Stop counting a tensor's storage."""
@@ -604,8 +592,6 @@ class _LiveBytes:
     def _freed(self, key: int, size: int) -> None:
         self.live -= size
         self._finalizers.pop(key, None)
-        if self._saved.pop(key, None) is not None:
-            self.saved_alive -= size
         for phase in self.phases.values():  # ended ones too: Python may give the next storage this id
             phase.freed(key)
 
@@ -632,10 +618,6 @@ class _LiveBytes:
     def _begin(self, key: Any, extra: int) -> None:
         if key not in self.phases:
             self.phases[key] = self._running[key] = _Phase(self.live, self.grads, extra)
-            # what backward made before this phase and still holds, besides weights' gradients and this phase's
-            # incoming gradient: a gradient autograd buffers for a tensor an earlier block made and later ones
-            # used (LongT5's position bias, a tied embedding's share from the head)
-            self.phases[key].carried = max(self.live - self.saved_alive - extra, 0)
 
     def _end(self, key: Any, incoming: int | None = None) -> None:
         phase = self._running.pop(key, None)
@@ -675,7 +657,6 @@ class _Phase:
         self.left: dict[int, int] = {}
         self.left_bytes = 0
         self.ended = False
-        self.carried = 0  # set by `_LiveBytes._begin`
 
     @property
     def rise(self) -> int:

@@ -174,10 +174,6 @@ class ActivationProfile(_Frozen):
     block_recompute_peaks: list[int] = Field(default_factory=list, description="measured, per block call: what its "
                                              "forward rose to above its start, plus its incoming gradient: what "
                                              "recomputing it under checkpointing holds at its worst moment")
-    block_carried_bytes: list[int] = Field(default_factory=list, description="measured, per block call: what backward "
-                                           "made before that block's backward began and still holds then, besides "
-                                           "weights' gradients and its incoming gradient (a gradient buffered for a "
-                                           "tensor an earlier block made and later ones used; the head's leftovers)")
     outside_gap_bytes: list[int] = Field(default_factory=list, description="tensors saved outside the blocks, by where "
                                          "forward saved them: before block g for g = 0..blocks-1, and last the head's "
                                          "(an encoder-decoder saves between its two stacks)")

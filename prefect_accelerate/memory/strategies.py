@@ -338,9 +338,8 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
 
     Backward runs the blocks last to first. While it runs block k it holds: what forward saved outside the
     blocks before block k (before the first block; an encoder-decoder's encoder norm and decoder embeddings,
-    between its stacks), the loop's outputs, and what backward made before block k and still holds (measured:
-    what the head left alive, a gradient autograd buffers for a tensor an earlier block made and later blocks
-    used, such as LongT5's position bias); the saved tensors of blocks 0..k-1 (under checkpointing, the kept inputs of blocks 0..k instead, and block k recomputed: the larger of its
+    between its stacks), the loop's outputs and what the head left alive; the saved tensors of blocks 0..k-1
+    (under checkpointing, the kept inputs of blocks 0..k instead, and block k recomputed: the larger of its
     recomputing forward's highest point and its backward's); block k at the highest point of its own
     backward (measured on the fake graph: its saved tensors, its activations' rise, and the weights' gradients
     it had made by then); and the gradients of the head and of every block after k, already made. Each of
@@ -362,10 +361,7 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
     per_parameter = gradients / profile.trainable_parameters  # a gradient's bytes per parameter in this layout
     element = 2 if acts.precision_mode.split("+")[0] in ("bf16", "fp16") else 4  # the fake weights' dtype
     checkpointed = options.gradient_checkpointing
-    base = acts.retained_output_bytes + (0 if checkpointed else acts.cache_unsaved_bytes)
-    # what backward made before block k and still holds (measured), else what the head left
-    carried = acts.block_carried_bytes if len(acts.block_carried_bytes) == len(acts.per_layer_bytes) \
-        else [acts.head_left_bytes] * len(acts.per_layer_bytes)
+    base = acts.retained_output_bytes + acts.head_left_bytes + (0 if checkpointed else acts.cache_unsaved_bytes)
     # saved outside the blocks before block k: alive while block k's backward runs
     outside_before = [sum(acts.outside_gap_bytes[:k + 1]) for k in range(len(acts.per_layer_bytes))]
     made = acts.head_gradient_bytes / element  # parameters whose gradients are made when block k's backward runs
@@ -383,9 +379,9 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
             # recomputing forward comes first, before any of its own gradients are made
             block = max(max(acts.block_backward_peaks[k] - acts.block_saved_input_bytes, 0) * scale + own,
                         acts.block_recompute_peaks[k] * scale)
-            held = (base + carried[k] + outside_before[k] + kept_inputs) * scale + block
+            held = (base + outside_before[k] + kept_inputs) * scale + block
         else:
-            held = (base + carried[k] + outside_before[k] + earlier_saved + acts.block_backward_peaks[k]) * scale + own
+            held = (base + outside_before[k] + earlier_saved + acts.block_backward_peaks[k]) * scale + own
         if casts:
             copies = cast_outside + (casts[k] if checkpointed else earlier_casts)
             earlier_casts -= casts[k]
