@@ -554,3 +554,24 @@ def test_an_encoder_decoders_checkpointed_backward_holds_what_lies_between_its_s
     measured = train_and_measure(tmp_path, {"batch": 4, "seq": 128, "precision": "no", "checkpointing": True})
     ratio = result.breakdown.device_total_bytes / measured
     assert 0.97 <= ratio <= 1.05, ratio
+
+
+def test_a_config_that_refuses_a_new_depth_is_traced_at_its_own(tmp_path):
+    """ProphetNetForCausalLM's config raises NotImplementedError when `num_hidden_layers` is set (it wants the
+    encoder's and decoder's counts). The shallow copy gives up and the model is traced as it is: the command
+    printed a traceback (found by the family walk's seed-29 sample)."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    transformers.ProphetNetConfig(hidden_size=64, num_encoder_layers=2, num_decoder_layers=6, num_encoder_attention_heads=4,
+                                  num_decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=500,
+                                  architectures=["ProphetNetForCausalLM"]).save_pretrained(tmp_path)
+    assert shallow_config(transformers.AutoConfig.from_pretrained(tmp_path)) is None
+    done = subprocess.run([sys.executable, "-m", "prefect_accelerate.cli.main", "estimate-memory", str(tmp_path),
+                           "--strategy", "ddp", "--batch_size", "2", "--seq_len", "32", "--no-track"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PREFECT_ACCELERATE_PROFILE_CACHE": "off"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr + done.stdout, done.stderr[-2000:]
+    assert "Total per device" in done.stdout
