@@ -56,11 +56,6 @@ def _position_limit(config: Any) -> int | None:
     return None
 
 
-def weight_dtype(precision_mode: str) -> str:
-    """The dtype the weights have during forward: float32, or the 16-bit type of bf16*/fp16* modes."""
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(precision_mode.split("+")[0], "float32")
-
-
 def shallow_config(config: Any) -> tuple[Any, int] | None:
     """A copy of a transformers config with `SHALLOW_BLOCKS` blocks, and the real depth; None when unsafe.
 

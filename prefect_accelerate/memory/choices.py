@@ -40,3 +40,8 @@ DEFAULT_RESERVE_FRACTION = 0.0
 #: Named in an estimate's attention detail when the trace met ops CUDA autocasts by a policy this package has not
 #: transcribed (memory/autocast_rules.py); memory/fit.py reads it as an unmodelled path.
 UNKNOWN_AUTOCAST = "CUDA autocast policy not transcribed for"
+
+
+def weight_dtype(precision_mode: str) -> str:
+    """The dtype the weights have during forward: float32, or the 16-bit type of bf16*/fp16* modes."""
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(precision_mode.split("+")[0], "float32")

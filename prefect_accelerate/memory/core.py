@@ -78,7 +78,8 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *
 
 def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfile:
     """Build the trained class without weights, count it, and trace one forward for its activations."""
-    from prefect_accelerate.memory.activations import block_count, shallow_config, trace_activations, weight_dtype
+    from prefect_accelerate.memory.activations import block_count, shallow_config, trace_activations
+    from prefect_accelerate.memory.choices import weight_dtype
     from prefect_accelerate.memory.build import build_trained_model, to_fake
     from prefect_accelerate.memory.sizing import model_profile
     from prefect_accelerate.memory.strategies import precision_mode

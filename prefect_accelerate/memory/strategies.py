@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from prefect_accelerate.errors import UsageError
-from prefect_accelerate.memory.choices import DEEPSPEED_STRATEGIES, FSDP_STRATEGIES
+from prefect_accelerate.memory.choices import DEEPSPEED_STRATEGIES, FSDP_STRATEGIES, weight_dtype
 from prefect_accelerate.memory.models import (
     ActivationProfile,
     DeviceBreakdown,
@@ -359,7 +359,7 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
         return _last_block_phase(profile, options, gradients), 0
     scale = options.batch_size / acts.batch_size
     per_parameter = gradients / profile.trainable_parameters  # a gradient's bytes per parameter in this layout
-    element = 2 if acts.precision_mode.split("+")[0] in ("bf16", "fp16") else 4  # the fake weights' dtype
+    element = 4 if weight_dtype(acts.precision_mode) == "float32" else 2  # bytes of the fake weights' dtype
     checkpointed = options.gradient_checkpointing
     base = acts.retained_output_bytes + acts.head_left_bytes + (0 if checkpointed else acts.cache_unsaved_bytes)
     # saved outside the blocks before block k: alive while block k's backward runs
