@@ -11,9 +11,9 @@ with ``device_type="cpu"``.
 
 Fake CPU tensors rather than meta tensors: meta tensors take SDPA's math path and ignore autocast.
 
-Deep stacks are traced shallow: a config with many identical blocks is traced with two blocks and the
-second block's figures stand for the rest (tests check this against full-depth traces). A 70B-shaped
-model then traces in a fraction of a second instead of seconds.
+Deep stacks are traced shallow (memory/depth.py): a few blocks holding every kind of block the stack has,
+each further block counted like the last traced block of its kind (tests check this against full-depth
+traces). A 70B-shaped model then traces in a fraction of a second instead of seconds.
 """
 
 from __future__ import annotations
@@ -28,14 +28,12 @@ from typing import Any
 from prefect_accelerate.errors import EstimateError
 from prefect_accelerate.memory.attention import cuda_kernels
 from prefect_accelerate.memory.choices import UNKNOWN_AUTOCAST
+from prefect_accelerate.memory.depth import checkpoint_layers
 from prefect_accelerate.memory.measured import mel_frames
 from prefect_accelerate.memory.models import ActivationProfile
 
 DEFAULT_MAX_SEQ_LEN = 2048
 FALLBACK_SEQ_LEN = 512
-#: Blocks kept when tracing a deep stack shallow; stacks up to this many times 4 are traced in full.
-SHALLOW_BLOCKS = 2
-SHALLOW_FROM = 8
 
 _SINGLE_LABEL_SUFFIXES = ("ForSequenceClassification", "ForImageClassification", "ForAudioClassification", "ForMultipleChoice")
 #: the first of these a config has bounds its tokens (max_target_positions: the decoder of a speech model)
@@ -56,30 +54,6 @@ def _position_limit(config: Any) -> int | None:
     return None
 
 
-def shallow_config(config: Any) -> tuple[Any, int] | None:
-    """A copy of a transformers config with `SHALLOW_BLOCKS` blocks, and the real depth; None when unsafe.
-
-    Unsafe: encoder-decoder models (two stacks), and configs that describe blocks one by one (any list
-    as long as the stack, such as ``layer_types``), whose blocks may differ.
-    """
-    depth = getattr(config, "num_hidden_layers", None)
-    if not isinstance(depth, int) or depth < SHALLOW_FROM or getattr(config, "is_encoder_decoder", False):
-        return None
-    for value in vars(config).values():
-        if isinstance(value, (list, tuple)) and len(value) == depth and len(set(map(repr, value))) > 1:
-            return None
-    shallow = copy.deepcopy(config)
-    try:
-        shallow.num_hidden_layers = SHALLOW_BLOCKS
-        for name, value in vars(shallow).items():
-            if isinstance(value, list) and len(value) == depth:
-                setattr(shallow, name, value[:SHALLOW_BLOCKS])
-    except Exception:  # noqa: BLE001 - any config that refuses a new depth (ProphetNet's setter raises
-        # NotImplementedError) is traced at its own depth
-        return None
-    return shallow, depth
-
-
 def trace_activations(
     model: Any,
     *,
@@ -87,7 +61,7 @@ def trace_activations(
     batch_size: int,
     seq_len: int | None,
     precision_mode: str,
-    full_depth: int | None = None,
+    layout: list[int] | None = None,
     force_flash: bool = False,
     device_type: str = "cuda",
     capability: tuple[int, int] | None = None,
@@ -104,7 +78,8 @@ def trace_activations(
         precision_mode: ``fp32``; ``autocast-bf16``/``autocast-fp16`` (fp32 weights under autocast, as
             DDP with Accelerate's mixed precision); ``bf16``/``fp16`` (16-bit weights, as DeepSpeed);
             ``bf16+autocast``/``fp16+autocast`` (16-bit weights under autocast, as FSDP).
-        full_depth: when ``model`` is a shallow copy, the real number of blocks to extrapolate to.
+        layout: when ``model`` is a shallow copy (memory/depth.py), for each block of the real stack the traced
+            block it repeats.
         force_flash: every SDPA call runs as flash attention (``--attn_implementation flash_attention_2``,
             which keeps what SDPA's flash kernel keeps).
         device_type: ``cuda`` stands in CUDA's attention and dropout kernels (memory/attention.py);
@@ -162,7 +137,7 @@ def trace_activations(
 
     params = {id(p) for p in model.parameters()}
     recorder = _SavedTensorRecorder(params)
-    layers = _checkpoint_layers(model)
+    layers = checkpoint_layers(model)
     handles = [layer.register_forward_pre_hook(recorder.enter_layer, with_kwargs=True) for layer in layers]
     handles += [layer.register_forward_hook(recorder.leave_layer) for layer in layers]
     mode = _fake_mode_of(model)
@@ -195,7 +170,7 @@ def trace_activations(
                 handle.remove()
             handles.clear()
             retried = trace_activations(model, library=library, batch_size=batch_size, seq_len=seq_len,
-                                        precision_mode=precision_mode, full_depth=full_depth, force_flash=force_flash,
+                                        precision_mode=precision_mode, layout=layout, force_flash=force_flash,
                                         device_type=device_type, capability=capability, use_cache=False)
             if retried.method == "traced":
                 why = (f"Traced without transformers' KV cache: the forward of {type(model).__name__} fails with it "
@@ -248,18 +223,19 @@ def trace_activations(
     # saved outside the blocks, by where: before block g (g = 0..count), the last being the head's
     gaps = [recorder.outside_gaps.get(g, 0) for g in range(count + 1)]
     note = ""
-    if full_depth and count and full_depth > count:
-        # every block after the traced ones is like the last traced block
-        extra = full_depth - count
-        per_layer += [per_layer[-1]] * extra
-        inputs += [inputs[-1]] * extra
-        casts += [casts[-1]] * extra
-        for figures in (peaks, peak_grads, block_params, recomputes):
-            figures += [figures[-1]] * extra if figures else []
-        # between identical blocks like between the last two traced ones; the head stays the head
-        gaps = gaps[:-1] + [gaps[-2] if count > 1 else 0] * extra + gaps[-1:]
-        note = f"Traced {count} of {full_depth} identical blocks; the rest counted like the last one."
-        cache_all, cache_unsaved = (cache_all * full_depth // count, cache_unsaved * full_depth // count)  # one entry per block
+    repeats = _repeats(layout, recorder.layer_index, layers)
+    if repeats:
+        def spread(figures: list) -> list:
+            return [figures[j] for j in repeats] if figures else figures
+
+        per_layer, inputs, casts = spread(per_layer), spread(inputs), spread(casts)
+        peaks, peak_grads, block_params, recomputes = spread(peaks), spread(peak_grads), spread(block_params), spread(recomputes)
+        # saved outside the blocks before block i like before the block it repeats; the head stays the head
+        gaps = [gaps[j] for j in repeats] + gaps[-1:]
+        note = (f"Traced {count} of {len(repeats)} blocks, which hold every kind of block the stack has; each "
+                "further block counted like the last traced block of its kind.")
+        # one cache entry per block
+        cache_all, cache_unsaved = cache_all * len(repeats) // count, cache_unsaved * len(repeats) // count
     cast_total = recorder.cast_outside + sum(casts)
     head = measured.head if every_block else None
     return ActivationProfile(
@@ -289,8 +265,8 @@ def trace_activations(
         head_left_bytes=head.left_bytes if head is not None else 0,
         head_backward_measured=head is not None,
         block_saved_input_bytes=min((recorder.saved_inputs_in[i] for i in range(count)), default=0),
-        unreached_parameters=_unreached_parameters(model, measured.unreached, full_depth) if every_block else 0,
-        forward_peak_bytes=forward.peak,
+        unreached_parameters=_unreached_parameters(model, measured.unreached, repeats) if every_block else 0,
+        forward_peak_bytes=_forward_peak(forward, count, repeats) if repeats else forward.peak,
         block_forward_rise_bytes=max(forward.rises.values(), default=0),
         forward_measured=True,
         autocast_weight_copy_bytes=cast_total,
@@ -527,6 +503,12 @@ class _LiveBytes:
         self._running: dict[Any, _Phase] = {}  # the phases still open
         self._grad_storage: dict[int, tuple[int, int]] = {}  # parameter -> (storage key, bytes) of its .grad
         self.peak = 0  # the most live at once since counting began
+        # for a forward: live at each block's start and end, the peak before the first block, the highest since
+        # the last block ended (the head's); a shallow trace's peak is redrawn for the whole stack from these
+        self.starts: dict[Any, int] = {}
+        self.ends: dict[Any, int] = {}
+        self.before_blocks: int | None = None
+        self.since_last_end = 0
 
     def __enter__(self) -> _LiveBytes:
         self._mode.__enter__()
@@ -551,6 +533,7 @@ class _LiveBytes:
         size = storage.nbytes()
         self.live += size
         self.peak = max(self.peak, self.live)
+        self.since_last_end = max(self.since_last_end, self.live)
         self._finalizers[key] = weakref.finalize(storage, self._freed, key, size)
         for mark in self._open.values():
             mark[1] = max(mark[1], self.live)
@@ -601,12 +584,16 @@ class _LiveBytes:
         """Start following the rise of live memory for ``key`` (``extra``: bytes to count on top, already live)."""
         if key not in self._open and key not in self.rises:
             self._open[key] = [self.live, self.live, extra]
+            self.starts[key] = self.live
+            if self.before_blocks is None:
+                self.before_blocks = self.peak
 
     def close(self, key: Any) -> None:
         mark = self._open.pop(key, None)
         if mark is not None:
             start, highest, extra = mark
             self.rises[key] = extra + highest - start
+            self.ends[key] = self.since_last_end = self.live
 
     def start_head(self) -> None:
         self._begin("head", 0)
@@ -766,25 +753,50 @@ def _image_size(config: Any) -> tuple[int, int]:
     return tuple(image) if isinstance(image, (list, tuple)) else (image, image)  # type: ignore[return-value]
 
 
-def _unreached_parameters(model: Any, unreached: set[int], full_depth: int | None) -> int:
+def _unreached_parameters(model: Any, unreached: set[int], repeats: list[int] | None) -> int:
     """How many trainable parameters got no gradient, counted for the full depth when the trace was shallow
-    (every block past the traced ones like the last traced block)."""
+    (every block past the traced ones like the traced block it repeats)."""
     if not unreached:
         return 0
-    blocks = _checkpoint_layers(model)
-    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    blocks = checkpoint_layers(model)
     total = sum(p.numel() for p in model.parameters() if id(p) in unreached)
-    if full_depth and blocks and full_depth > len(blocks):
-        last = sum(p.numel() for p in blocks[-1].parameters() if id(p) in unreached and id(p) in in_blocks)
-        total += last * (full_depth - len(blocks))
+    for j in (repeats or [])[len(blocks):]:
+        total += sum(p.numel() for p in blocks[j].parameters() if id(p) in unreached)
     return int(total)
+
+
+def _forward_peak(forward: _LiveBytes, count: int, repeats: list[int]) -> int:
+    """The forward's peak for the whole stack from a shallow trace: block i of the real stack starts where the
+    previous one left live memory, rises like the traced block it repeats, and leaves what that block left (its
+    saved tensors, its output, and what runs between it and the next block); the head rises above the last."""
+    if any(j not in forward.starts or j not in forward.ends for j in range(count)):
+        return forward.peak
+    start, end = forward.starts, forward.ends
+    # what runs between a block and the next: measured after each traced block but the last, which takes the
+    # gap before it (the head's own part is in its rise)
+    between = [start[j + 1] - end[j] for j in range(count - 1)] + [start[count - 1] - end[count - 2] if count > 1 else 0]
+    live, highest = start[0], forward.before_blocks or 0
+    for i, j in enumerate(repeats):
+        highest = max(highest, live + forward.rises[j])
+        live += end[j] - start[j] + (between[j] if i < len(repeats) - 1 else 0)
+    return max(highest, live + forward.since_last_end - end[count - 1])
+
+
+def _repeats(layout: list[int] | None, calls: list[int], blocks: list[Any]) -> list[int] | None:
+    """For each block of the real stack, the traced block call whose figures it takes; None when the trace was
+    the whole stack. A shallow stack whose blocks were not each called once, in order, takes the last call's."""
+    if not layout or not calls or len(layout) <= len(calls):
+        return None
+    if calls == [id(block) for block in blocks]:
+        return list(layout)
+    return list(range(len(calls))) + [len(calls) - 1] * (len(layout) - len(calls))
 
 
 def _block_parameters(model: Any, calls: list[int], with_backward: set[int]) -> list[int]:
     """Per block call (forward order): the trainable parameters whose gradients that call's backward makes. A
     module called several times has its gradients made by the first of its calls backward reaches, its last
     call with a backward."""
-    modules = {id(module): module for module in _checkpoint_layers(model)}
+    modules = {id(module): module for module in checkpoint_layers(model)}
     last: dict[int, int] = {}
     for index, key in enumerate(calls):
         if index in with_backward:
@@ -795,23 +807,6 @@ def _block_parameters(model: Any, calls: list[int], with_backward: set[int]) -> 
         if module is not None:
             counts[index] = sum(int(p.numel()) for p in module.parameters() if p.requires_grad)
     return counts
-
-
-def block_count(model: Any) -> int:
-    """How many blocks (the modules activation checkpointing wraps) the model has."""
-    return len(_checkpoint_layers(model))
-
-
-def _checkpoint_layers(model: Any) -> list[Any]:
-    """The blocks activation checkpointing wraps: transformers' GradientCheckpointingLayer, else no-split blocks."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:
-        GradientCheckpointingLayer = None  # noqa: N806
-    names = set(getattr(model, "_no_split_modules", None) or ())
-    if GradientCheckpointingLayer is not None:
-        return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    return [m for m in model.modules() if type(m).__name__ in names]
 
 
 def _takes_use_cache(model: Any) -> bool:

@@ -78,9 +78,10 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *
 
 def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfile:
     """Build the trained class without weights, count it, and trace one forward for its activations."""
-    from prefect_accelerate.memory.activations import block_count, shallow_config, trace_activations
+    from prefect_accelerate.memory.activations import trace_activations
     from prefect_accelerate.memory.choices import weight_dtype
     from prefect_accelerate.memory.build import build_trained_model, to_fake
+    from prefect_accelerate.memory.depth import builds_the_prefix, shallow_plan
     from prefect_accelerate.memory.sizing import model_profile
     from prefect_accelerate.memory.strategies import precision_mode
 
@@ -104,22 +105,21 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
         return profile
     mode = precision_mode(options)
     dtype = weight_dtype(mode)
-    depth = None
-    shallow = shallow_config(model.config) if source.library == "transformers" else None
-    if shallow is not None and block_count(model) != shallow[1]:
-        # the config's depth is not its number of blocks (HRM: cache slots over stacks it loops), so a copy with
-        # fewer "layers" is not the same model with fewer blocks: trace the real depth
-        shallow = None
-    if shallow is not None:
-        config, depth = shallow
-        model, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config,
-                                       attn_implementation=build_attention)
-    elif dtype != "float32":
+    layout = None
+    plan = shallow_plan(model.config, model) if source.library == "transformers" else None
+    if plan is not None:
+        shallow, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=plan.config,
+                                         attn_implementation=build_attention)
+        if builds_the_prefix(plan, shallow):
+            model, layout = shallow, plan.layout
+        else:
+            plan = None  # the config's rule for its blocks reads its depth: the shallow copy is another stack
+    if plan is None and dtype != "float32":
         config = model.config if source.library == "transformers" else None
         model, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config,
                                        attn_implementation=build_attention)
     activations = trace_activations(to_fake(model), library=source.library, batch_size=options.batch_size,
-                                    seq_len=options.seq_len, precision_mode=mode, full_depth=depth, force_flash=force_flash,
+                                    seq_len=options.seq_len, precision_mode=mode, layout=layout, force_flash=force_flash,
                                     device_type=options.device_type, capability=_capability(options))
     if force_flash:
         activations = activations.model_copy(update={"attention_implementation": "flash_attention_2"})

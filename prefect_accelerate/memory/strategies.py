@@ -307,8 +307,8 @@ def _forward_phase(acts: ActivationProfile | None, options: EstimateOptions) -> 
     scale = options.batch_size / acts.batch_size
     if options.gradient_checkpointing and acts.per_layer_bytes:
         before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
-        return (before + acts.layer_input_bytes + acts.block_forward_rise_bytes) * scale
-    return acts.forward_peak_bytes * scale
+        return round((before + acts.layer_input_bytes + acts.block_forward_rise_bytes) * scale)
+    return round(acts.forward_peak_bytes * scale)
 
 
 def _block_backward(acts: ActivationProfile) -> int:

@@ -236,6 +236,12 @@ def _unseen_architectures():
         # 0.867 while a block's backward was bounded from the forward, before it was measured on fake tensors
         "bloom (ALiBi, a custom autograd GeLU), checkpointing": (t.BloomConfig(
             hidden_size=128, n_layer=2, n_head=4, vocab_size=1000, architectures=["BloomForCausalLM"]), "no", True),
+        # deep enough to be traced shallow, and its one attention block is the sixth of nine: a copy of the first
+        # two (Mamba) blocks counted the other seven like them, 1.106
+        "bamba (one attention block among Mamba blocks, traced shallow), fp32": (t.BambaConfig(
+            hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, vocab_size=300,
+            max_position_embeddings=256, num_hidden_layers=9, attn_layer_indices=[5], mamba_n_heads=8, mamba_d_head=16,
+            mamba_d_state=16, architectures=["BambaForCausalLM"]), "no", False),
     }
 
 
