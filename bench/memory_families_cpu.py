@@ -21,6 +21,13 @@ config) is reported as skipped with transformers' error; an estimate that raises
 Prints one row per run and a summary: how many runs sit within 10% of the measured peak, the lowest and
 highest ratio, and every run outside [0.90, 1.10]. Nothing here passes or fails; tests/memory holds a few
 of these families to the 10% line in CI (test_mem_probe.py).
+
+    python bench/memory_families_cpu.py --deep 9 --out /tmp/deep.jsonl   # shallow traces against full ones
+
+`--deep N` builds each family with N blocks instead (the family's own rules then put its different kinds of
+block where they go: experts from some depth on, attention every k-th block) and compares, without
+training, the estimate from the shallow trace of memory/depth.py with the estimate from a trace of all N
+blocks; a ratio other than 1.000 is a stack the shallow plan misrepresents. Minutes for every family.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ HEADS = {"causal": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "masked": "MODEL_FOR_MAS
          "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"}
 VARIANTS = {"fp32": ("no", False), "bf16": ("bf16", False), "checkpointing": ("no", True)}
 BATCH, SEQ = 4, 128
+#: the depth fields, under every name families use (--deep sets them all)
+DEPTHS = ("num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers")
 RSS_CAP = 5 << 30
 #: the size fields, under every name families use; a config class takes the ones its __init__ or
 #: attribute_map knows, keeps its own defaults for the rest
@@ -70,12 +79,44 @@ def families(heads: list[str]) -> list[tuple[str, str, str]]:
     return found
 
 
-def tiny_config(model_type: str, architecture: str):  # noqa: ANN201
+def tiny_config(model_type: str, architecture: str, depth: int = 2):  # noqa: ANN201
     import transformers
 
     cls = type(transformers.AutoConfig.for_model(model_type))
     accepted = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))
-    return cls(**{k: v for k, v in TINY.items() if k in accepted}, architectures=[architecture])
+    sizes = TINY | {name: depth for name in DEPTHS}
+    return cls(**{k: v for k, v in sizes.items() if k in accepted}, architectures=[architecture])
+
+
+def shallow_against_full(model_type: str, architecture: str, depth: int) -> list[dict]:
+    """In the child: the estimate from the shallow trace over the one from the full trace, per variant."""
+    from prefect_accelerate.memory import EstimateOptions, depth as stacks, estimate
+
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=f"deep-{model_type}-"))
+        tiny_config(model_type, architecture, depth).save_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - the family's config needs more than the size fields
+        return [{"family": model_type, "variant": "-", "skipped": f"config: {type(error).__name__}: {str(error)[:160]}"}]
+    rows = []
+    for variant, (precision, checkpointing) in VARIANTS.items():
+        row: dict = {"family": model_type, "variant": variant, "architecture": architecture, "depth": depth}
+        figures = []
+        for shallow_from in (stacks.SHALLOW_FROM, 10**9):
+            stacks.SHALLOW_FROM = shallow_from
+            try:
+                result = estimate(str(folder), EstimateOptions(
+                    dtypes=("float32",), strategy="ddp", num_processes=1, batch_size=BATCH, seq_len=SEQ, device_type="cpu",
+                    mixed_precision=precision, gradient_checkpointing=checkpointing))
+                figures.append((result.breakdown.device_total_bytes, result.profile.activations.note))
+            except Exception as error:  # noqa: BLE001 - a finding: report it
+                row["estimate_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                break
+        stacks.SHALLOW_FROM = 8
+        if len(figures) == 2:
+            row["plan"] = figures[0][1].split(";")[0] if figures[0][1].startswith("Traced") else "traced in full"
+            row["ratio"] = round(figures[0][0] / figures[1][0], 4)
+        rows.append(row)
+    return rows
 
 
 def run_family(model_type: str, architecture: str) -> list[dict]:
@@ -129,13 +170,15 @@ def main() -> None:
     parser.add_argument("--out", help="append each run as a JSON line here (families already in it are skipped)")
     parser.add_argument("--sample", type=int, help="only this many families, drawn at random (with --seed)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--deep", type=int, help="N blocks a family; compare shallow traces with full ones (no training)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL_TYPE", "ARCHITECTURE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _cap_memory()
         import sitecustomize  # noqa: F401 - the torchvision shim
 
-        print(json.dumps(run_family(*args.child)))
+        os.environ.setdefault("PREFECT_ACCELERATE_PROFILE_CACHE", "off")
+        print(json.dumps(shallow_against_full(*args.child, args.deep) if args.deep else run_family(*args.child)))
         return
     seen: set[str] = set()
     if args.out and Path(args.out).exists():
@@ -151,7 +194,8 @@ def main() -> None:
         if model_type in seen:
             continue
         seen.add(model_type)
-        child = subprocess.run([sys.executable, __file__, "--child", model_type, architecture],
+        deep = ["--deep", str(args.deep)] if args.deep else []
+        child = subprocess.run([sys.executable, __file__, "--child", model_type, architecture, *deep],
                                capture_output=True, text=True, timeout=900)
         try:
             found = json.loads(child.stdout.strip().splitlines()[-1])
@@ -165,13 +209,17 @@ def main() -> None:
                 with open(args.out, "a") as out:
                     out.write(json.dumps(row) + "\n")
             ratio = f"{row['ratio']:.3f}" if "ratio" in row else "-"
-            note = row.get("estimate_error") or row.get("skipped") or ("" if "ratio" in row else row.get("activations", ""))
+            note = (row.get("estimate_error") or row.get("skipped") or row.get("plan")
+                    or ("" if "ratio" in row else row.get("activations", "")))
             print(f"{model_type:28s} {row['variant']:14s} {ratio:>6s}  {row.get('attention', '')[:24]:24s} {note[:90]}", flush=True)
     ratios = [row["ratio"] for row in rows if "ratio" in row]
     if ratios:
         inside = sum(0.90 <= r <= 1.10 for r in ratios)
-        print(f"\n{len(ratios)} runs compared ({len(seen)} families): {inside} within 10% of the measured peak; "
+        against = "the full trace's estimate" if args.deep else "the measured peak"
+        print(f"\n{len(ratios)} runs compared ({len(seen)} families): {inside} within 10% of {against}; "
               f"lowest {min(ratios):.3f}, highest {max(ratios):.3f}")
+        if args.deep:
+            print(f"  {sum(r == 1 for r in ratios)} equal to it")
         for row in rows:
             if "ratio" in row and not 0.90 <= row["ratio"] <= 1.10:
                 print(f"  outside: {row['family']} {row['variant']} {row['ratio']:.3f}")
