@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -173,8 +174,13 @@ def wait_for_state(server: PrefectServer, flow_run_id: str, states: set[str], ti
     last = None
     while time.monotonic() < deadline:
         request = urllib.request.Request(f"{server.url}/flow_runs/{flow_run_id}")
-        with urllib.request.urlopen(request, timeout=10) as response:
-            data = json.loads(response.read())
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                data = json.loads(response.read())
+        except (TimeoutError, urllib.error.URLError):
+            # a server busy with the run's own workers (2 loaded cores) may answer one poll late: the deadline decides
+            time.sleep(1)
+            continue
         last = (data.get("state") or {}).get("type")
         if last in states:
             return last
