@@ -28,7 +28,7 @@ from typing import Any
 from prefect_accelerate.errors import EstimateError
 from prefect_accelerate.memory.attention import cuda_kernels
 from prefect_accelerate.memory.choices import UNKNOWN_AUTOCAST
-from prefect_accelerate.memory.depth import checkpoint_layers
+from prefect_accelerate.memory.depth import NotOneCallPerBlock, checkpoint_layers
 from prefect_accelerate.memory.measured import mel_frames
 from prefect_accelerate.memory.models import ActivationProfile
 
@@ -94,6 +94,7 @@ def trace_activations(
 
     Raises:
         EstimateError: ``seq_len`` is longer than the model's position embeddings allow.
+        NotOneCallPerBlock: ``layout`` was given and the model did not call each block once, in order.
     """
     import torch
 
@@ -146,7 +147,8 @@ def trace_activations(
     cache: list[Any] = []
     recorder.forward_meter = forward = _LiveBytes()
     try:
-        with mode, watch, _moe_without_grouped_mm(), _unpadded_masks(), _no_layer_dropped(), kernels as kernel_log, forward, \
+        with mode, watch, _moe_without_grouped_mm(), _unpadded_masks(), _no_layer_dropped(), _deep_copies_clone(), \
+                kernels as kernel_log, forward, \
                 torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
             with _autocast(autocast_dtype):
                 if library == "timm":
@@ -784,12 +786,16 @@ def _forward_peak(forward: _LiveBytes, count: int, repeats: list[int]) -> int:
 
 def _repeats(layout: list[int] | None, calls: list[int], blocks: list[Any]) -> list[int] | None:
     """For each block of the real stack, the traced block call whose figures it takes; None when the trace was
-    the whole stack. A shallow stack whose blocks were not each called once, in order, takes the last call's."""
-    if not layout or not calls or len(layout) <= len(calls):
+    the whole stack.
+
+    Raises:
+        NotOneCallPerBlock: the shallow stack's blocks were not each called once, in order.
+    """
+    if not layout:
         return None
-    if calls == [id(block) for block in blocks]:
-        return list(layout)
-    return list(range(len(calls))) + [len(calls) - 1] * (len(layout) - len(calls))
+    if calls != [id(block) for block in blocks]:
+        raise NotOneCallPerBlock()
+    return list(layout)
 
 
 def _block_parameters(model: Any, calls: list[int], with_backward: set[int]) -> list[int]:
@@ -920,6 +926,36 @@ def _unpadded_masks() -> Iterator[None]:
 
 
 _DRAWING = threading.local()
+
+
+@contextlib.contextmanager
+def _deep_copies_clone() -> Iterator[None]:
+    """A forward that deep-copies tensors (Dory copies its KV-cache layers for each loop) would have torch's
+    `Tensor.__deepcopy__` copy a fake tensor's storage bytes, which do not exist: the copy read a bogus pointer and
+    the process died of a segmentation fault in its next estimate. For the trace, a deep copy of a leaf fake
+    tensor is a clone (a new storage of the same size, all that memory needs); anything else is torch's own."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    own = FakeTensor.__dict__.get("__deepcopy__")
+
+    def deepcopy(self: Any, memo: dict) -> Any:
+        if not self.is_leaf or id(self) in memo:
+            return torch.Tensor.__deepcopy__(self, memo)  # torch's error for a non-leaf, or the copy made already
+        with torch.no_grad():
+            copied = self.clone()
+        copied.requires_grad_(self.requires_grad)
+        memo[id(self)] = copied
+        return copied
+
+    FakeTensor.__deepcopy__ = deepcopy
+    try:
+        yield
+    finally:
+        if own is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = own
 
 
 @contextlib.contextmanager

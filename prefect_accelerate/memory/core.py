@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prefect_accelerate._version import __version__
 from prefect_accelerate.errors import EstimateError, broken_imports_reported
-from prefect_accelerate.memory.models import EstimateOptions, MemoryEstimate, ModelProfile, ModelSource
+from prefect_accelerate.memory.models import ActivationProfile, EstimateOptions, MemoryEstimate, ModelProfile, ModelSource
 from prefect_accelerate.memory import profile_cache
 from prefect_accelerate.memory.lean_imports import hidden_for
 from prefect_accelerate.memory.resolve import resolve_model
@@ -81,7 +82,7 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
     from prefect_accelerate.memory.activations import trace_activations
     from prefect_accelerate.memory.choices import weight_dtype
     from prefect_accelerate.memory.build import build_trained_model, to_fake
-    from prefect_accelerate.memory.depth import builds_the_prefix, shallow_plan
+    from prefect_accelerate.memory.depth import NotOneCallPerBlock, builds_the_prefix, shallow_plan
     from prefect_accelerate.memory.sizing import model_profile
     from prefect_accelerate.memory.strategies import precision_mode
 
@@ -105,22 +106,33 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
         return profile
     mode = precision_mode(options)
     dtype = weight_dtype(mode)
-    layout = None
+    full, layout = model, None
     plan = shallow_plan(model.config, model) if source.library == "transformers" else None
     if plan is not None:
-        shallow, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=plan.config,
-                                         attn_implementation=build_attention)
-        if builds_the_prefix(plan, shallow):
+        try:
+            shallow, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype,
+                                             config=plan.config, attn_implementation=build_attention)
+        except EstimateError:
+            shallow = None  # the config refuses its shallow copy (a rule that sums its parts to the depth)
+        if shallow is not None and builds_the_prefix(plan, shallow):
             model, layout = shallow, plan.layout
-        else:
-            plan = None  # the config's rule for its blocks reads its depth: the shallow copy is another stack
-    if plan is None and dtype != "float32":
-        config = model.config if source.library == "transformers" else None
-        model, _ = build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config,
-                                       attn_implementation=build_attention)
-    activations = trace_activations(to_fake(model), library=source.library, batch_size=options.batch_size,
-                                    seq_len=options.seq_len, precision_mode=mode, layout=layout, force_flash=force_flash,
-                                    device_type=options.device_type, capability=_capability(options))
+
+    def trace(model: Any, layout: list[int] | None) -> ActivationProfile:
+        return trace_activations(to_fake(model), library=source.library, batch_size=options.batch_size,
+                                 seq_len=options.seq_len, precision_mode=mode, layout=layout, force_flash=force_flash,
+                                 device_type=options.device_type, capability=_capability(options))
+
+    def whole_stack() -> Any:
+        if dtype == "float32":
+            return full
+        config = full.config if source.library == "transformers" else None
+        return build_trained_model(source, options.trust_remote_code, options.model_class, dtype, config=config,
+                                   attn_implementation=build_attention)[0]
+
+    try:
+        activations = trace(model, layout) if layout else trace(whole_stack(), None)
+    except NotOneCallPerBlock:
+        activations = trace(whole_stack(), None)  # the shallow stack looped over part of itself
     if force_flash:
         activations = activations.model_copy(update={"attention_implementation": "flash_attention_2"})
     return profile.model_copy(update={"activations": activations})

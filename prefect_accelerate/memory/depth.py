@@ -14,8 +14,9 @@ the plain values its modules hold (an attention block's ``sliding_window``, ``is
 in every per-block list of the config. Values that differ in every block (``layer_idx``) are its
 position, not its kind. The shallow copy keeps the shortest prefix of the stack that holds every kind
 (at least `SHALLOW_BLOCKS`); each further block is counted like the last traced block of its kind. The
-shallow model is checked to have built exactly that prefix; where it did not (a config whose rule reads
-its depth), the stack is traced in full.
+shallow model is checked to have built exactly that prefix and, in the trace, to call each block once in
+order; where it did not (a config whose rule reads its depth, a stack that loops over part of itself), the
+stack is traced in full.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ from typing import Any, NamedTuple
 SHALLOW_BLOCKS = 2
 SHALLOW_FROM = 8
 _PLAIN = (bool, int, float, str, type(None))
+
+
+class NotOneCallPerBlock(Exception):
+    """The shallow model did not call each of its blocks once, in order (a stack that loops over some of its blocks
+    by a rule that reads the depth): its trace cannot stand for the real stack, which is then traced in full."""
 
 
 class ShallowPlan(NamedTuple):

@@ -649,3 +649,57 @@ def test_a_config_that_refuses_a_new_depth_is_traced_at_its_own(tmp_path):
                           env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PREFECT_ACCELERATE_PROFILE_CACHE": "off"})
     assert done.returncode == 0 and "Traceback" not in done.stderr + done.stdout, done.stderr[-2000:]
     assert "Total per device" in done.stdout
+
+
+def _dory(folder):
+    """Dory: 4 input blocks, 4 middle blocks it runs twice (its loop), 4 output blocks; each fourth block attends
+    to the whole sequence, the others to a window. Its forward deep-copies its KV-cache layers for each loop."""
+    import transformers
+
+    transformers.DoryConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            intermediate_size=256, vocab_size=1000, max_position_embeddings=512, num_hidden_layers=12,
+                            n_input_layers=4, n_output_layers=4, architectures=["DoryForCausalLM"]).save_pretrained(folder)
+    return folder
+
+
+def test_a_stack_that_loops_over_part_of_itself_is_traced_in_full(tmp_path):
+    """Dory's shallow copy (its 4-block period) keeps its input and output counts, so it calls its blocks twice:
+    its trace cannot stand for the real stack, which the estimate then traces whole."""
+    from prefect_accelerate.memory.depth import NotOneCallPerBlock
+
+    source = resolve_model(str(_dory(tmp_path)))
+    full, _ = build_trained_model(source, False, None)
+    plan = shallow_plan(full.config, full)
+    assert plan is not None and len(plan.layout) == 12
+    short, _ = build_trained_model(source, False, None, config=plan.config)
+    if builds_the_prefix(plan, short):
+        with pytest.raises(NotOneCallPerBlock):
+            trace_activations(to_fake(short), library="transformers", batch_size=2, seq_len=32, precision_mode="fp32",
+                              device_type="cpu", layout=plan.layout)
+    whole = trace_activations(to_fake(full), library="transformers", batch_size=4, seq_len=128, precision_mode="fp32",
+                              device_type="cpu")
+    acts, _ = traced(tmp_path, batch_size=4, seq_len=128, device_type="cpu")
+    assert acts.saved_bytes == whole.saved_bytes and acts.forward_peak_bytes == whole.forward_peak_bytes
+    assert "Traced" not in acts.note
+
+
+def test_a_forward_that_deep_copies_fake_tensors_leaves_the_process_sound(tmp_path):
+    """Dory deep-copies its cache layers in the forward. torch's deepcopy copied the fake tensors' storage bytes
+    from a pointer to nothing, and the next estimate in the same process died of a segmentation fault (a pipeline
+    worker runs many). A deep copy on the fake graph is now a clone; the estimate also follows the cache, as
+    training does, and lands on the allocator's peak (it was 1.036 of it, traced without the cache)."""
+    import subprocess
+    import sys
+
+    folder = _dory(tmp_path / "dory")
+    code = ("import sys\nfrom prefect_accelerate.memory import EstimateOptions, estimate\n"
+            "for checkpointing in (False, True, False, True):\n"
+            "    r = estimate(sys.argv[1], EstimateOptions(dtypes=('float32',), strategy='ddp', batch_size=4, seq_len=128,"
+            " device_type='cpu', gradient_checkpointing=checkpointing))\n"
+            "    print(r.breakdown.device_total_bytes, r.profile.activations.method)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PREFECT_ACCELERATE_PROFILE_CACHE": "off"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.split("\n")[:4]
+    assert all(line.endswith("traced") for line in lines) and lines[0] == lines[2] and lines[1] == lines[3]
+    assert "data pointer of FakeTensor" not in done.stderr
