@@ -107,7 +107,11 @@ def shallow_against_full(model_type: str, architecture: str, depth: int) -> list
                 result = estimate(str(folder), EstimateOptions(
                     dtypes=("float32",), strategy="ddp", num_processes=1, batch_size=BATCH, seq_len=SEQ, device_type="cpu",
                     mixed_precision=precision, gradient_checkpointing=checkpointing))
-                figures.append((result.breakdown.device_total_bytes, result.profile.activations.note))
+                acts = result.profile.activations
+                if acts.method != "traced":
+                    row["skipped"] = f"not traced: {acts.note[:160]}"
+                    break
+                figures.append((result.breakdown.device_total_bytes, acts.note))
             except Exception as error:  # noqa: BLE001 - a finding: report it
                 row["estimate_error"] = f"{type(error).__name__}: {str(error)[:200]}"
                 break

@@ -98,12 +98,15 @@ def block_kinds(blocks: list[Any], lists: dict[str, Any], positional: frozenset[
     values = [_values(block) for block in blocks]
     if positional is None:
         names = set().union(*values) if values else set()
-        positional = frozenset(name for name in names
-                               if len({repr(v.get(name)) for v in values}) == len(blocks) > 1)
+        positional = frozenset(
+            {name for name in names if len({repr(v.get(name)) for v in values}) == len(blocks) > 1}
+            # a list with a different entry for every block numbers them (Llama 4's `moe_layers` when every
+            # block has experts): what differs between the blocks it names shows in their modules
+            | {name for name, entry in lists.items() if len({repr(e) for e in entry}) == len(blocks) > 1})
     kinds = []
     for i, block in enumerate(blocks):
         own = tuple(sorted((name, repr(value)) for name, value in values[i].items() if name not in positional))
-        entries = tuple((name, repr(entry[i])) for name, entry in sorted(lists.items()))
+        entries = tuple((name, repr(entry[i])) for name, entry in sorted(lists.items()) if name not in positional)
         kinds.append((_structure(block), own, entries))
     return kinds, positional
 

@@ -112,11 +112,18 @@ def test_a_shallow_copy_that_builds_another_stack_is_not_used(zoo):
 
 
 def test_the_position_of_a_block_is_not_its_kind(zoo):
+    """`layer_idx` differs in every block, and so does a config list that numbers the blocks (Llama 4's
+    `moe_layers` when every block has experts, LFM2's `full_attn_idxs` when every block attends): both say where
+    a block sits. A list with repeats says what it is."""
     source = resolve_model(str(zoo["tiny-llama"]))
     full, _ = build_trained_model(source, False, None)
+    full.config.numbered_blocks = list(range(10))
     plan = shallow_plan(full.config, full)
-    assert any(name.endswith("layer_idx") for name in plan.positional)
-    assert plan.layout == [0, 1] + [1] * 8
+    assert any(name.endswith("layer_idx") for name in plan.positional) and "numbered_blocks" in plan.positional
+    assert plan.layout == [0, 1] + [1] * 8 and plan.config.numbered_blocks == [0, 1]
+    full.config.numbered_blocks = ["a", "a", "a", "b"] * 2 + ["a", "a"]
+    plan = shallow_plan(full.config, full)
+    assert plan.layout == [0, 1, 2, 3, 2, 2, 2, 3, 2, 2] and plan.config.numbered_blocks == ["a", "a", "a", "b"]
 
 
 def test_gradient_checkpointing_keeps_block_inputs_and_the_larger_backward_phase(zoo):
