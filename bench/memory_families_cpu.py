@@ -23,6 +23,7 @@ highest ratio, and every run outside [0.90, 1.10]. Nothing here passes or fails;
 of these families to the 10% line in CI (test_mem_probe.py).
 
     python bench/memory_families_cpu.py --deep 9 --out /tmp/deep.jsonl   # shallow traces against full ones
+    python bench/memory_families_cpu.py --blocks 9 --only jamba           # measured, 9 blocks (traced shallow)
 
 `--deep N` builds each family with N blocks instead (the family's own rules then put its different kinds of
 block where they go: experts from some depth on, attention every k-th block) and compares, without
@@ -123,7 +124,7 @@ def shallow_against_full(model_type: str, architecture: str, depth: int) -> list
     return rows
 
 
-def run_family(model_type: str, architecture: str) -> list[dict]:
+def run_family(model_type: str, architecture: str, depth: int = 2) -> list[dict]:
     """In the child: estimate and measure the three variants of one family."""
     from prefect_accelerate.memory import EstimateOptions, estimate
     from prefect_accelerate.memory.probe import cpu_training_peak
@@ -131,11 +132,11 @@ def run_family(model_type: str, architecture: str) -> list[dict]:
     rows = []
     try:
         folder = Path(tempfile.mkdtemp(prefix=f"family-{model_type}-"))
-        tiny_config(model_type, architecture).save_pretrained(folder)
+        tiny_config(model_type, architecture, depth).save_pretrained(folder)
     except Exception as error:  # noqa: BLE001 - the family's config needs more than the size fields
         return [{"family": model_type, "variant": "-", "skipped": f"config: {type(error).__name__}: {str(error)[:160]}"}]
     for variant, (precision, checkpointing) in VARIANTS.items():
-        row: dict = {"family": model_type, "variant": variant, "architecture": architecture}
+        row: dict = {"family": model_type, "variant": variant, "architecture": architecture, "blocks": depth}
         try:
             row["measured"] = cpu_training_peak(folder, BATCH, SEQ, precision, checkpointing, architecture)
         except Exception as error:  # noqa: BLE001 - transformers itself cannot train this config
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--sample", type=int, help="only this many families, drawn at random (with --seed)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deep", type=int, help="N blocks a family; compare shallow traces with full ones (no training)")
+    parser.add_argument("--blocks", type=int, default=2, help="blocks a family for the measured walk (8 or more: traced shallow)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL_TYPE", "ARCHITECTURE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -182,7 +184,7 @@ def main() -> None:
         import sitecustomize  # noqa: F401 - the torchvision shim
 
         os.environ.setdefault("PREFECT_ACCELERATE_PROFILE_CACHE", "off")
-        print(json.dumps(shallow_against_full(*args.child, args.deep) if args.deep else run_family(*args.child)))
+        print(json.dumps(shallow_against_full(*args.child, args.deep) if args.deep else run_family(*args.child, args.blocks)))
         return
     seen: set[str] = set()
     if args.out and Path(args.out).exists():
@@ -198,7 +200,7 @@ def main() -> None:
         if model_type in seen:
             continue
         seen.add(model_type)
-        deep = ["--deep", str(args.deep)] if args.deep else []
+        deep = ["--deep", str(args.deep)] if args.deep else ["--blocks", str(args.blocks)]
         child = subprocess.run([sys.executable, __file__, "--child", model_type, architecture, *deep],
                                capture_output=True, text=True, timeout=900)
         try:
