@@ -19,7 +19,6 @@ traces). A 70B-shaped model then traces in a fraction of a second instead of sec
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import threading
 from collections.abc import Iterator

@@ -58,11 +58,6 @@ def checkpoint_layers(model: Any) -> list[Any]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-def block_count(model: Any) -> int:
-    """How many blocks (the modules activation checkpointing wraps) the model has."""
-    return len(checkpoint_layers(model))
-
-
 def _per_block_lists(config: Any, depth: int) -> dict[str, Any]:
     return {name: value for name, value in vars(config).items() if isinstance(value, (list, tuple)) and len(value) == depth}
 

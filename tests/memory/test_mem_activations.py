@@ -10,7 +10,7 @@ from prefect_accelerate.errors import EstimateError
 from prefect_accelerate.memory import EstimateOptions, estimate
 from prefect_accelerate.memory.activations import trace_activations
 from prefect_accelerate.memory.depth import builds_the_prefix, checkpoint_layers, shallow_plan
-from prefect_accelerate.memory.build import build_trained_model, load_transformers_config, to_fake
+from prefect_accelerate.memory.build import build_trained_model, to_fake
 from prefect_accelerate.memory.resolve import resolve_model
 
 
