@@ -13,7 +13,8 @@ family spells its rule differently): a block's kind is its module tree (classes 
 the plain values its modules hold (an attention block's ``sliding_window``, ``is_causal``), and its entry
 in every per-block list of the config. Values that differ in every block (``layer_idx``) are its
 position, not its kind. The shallow copy keeps the shortest prefix of the stack that holds every kind
-(at least `SHALLOW_BLOCKS`); each further block is counted like the last traced block of its kind. The
+after its first block (at least `SHALLOW_BLOCKS`: block 0 also does what the stack does once); each further
+block is counted like the last traced block of its kind. The
 shallow model is checked to have built exactly that prefix and, in the trace, to call each block once in
 order; where it did not (a config whose rule reads its depth, a stack that loops over part of itself), the
 stack is traced in full.
@@ -121,8 +122,10 @@ def shallow_plan(config: Any, model: Any) -> ShallowPlan | None:
         return None
     lists = _per_block_lists(config, depth)
     kinds, positional = block_kinds(blocks, lists)
+    # the first block stands for no other: it takes the embeddings' output and makes what the stack makes once
+    # (a mask, a cache entry), so every kind that comes again after the prefix is traced past block 0 as well
     keep = SHALLOW_BLOCKS
-    while len(set(kinds[:keep])) < len(set(kinds)):
+    while not set(kinds[keep:]) <= set(kinds[1:keep]):
         keep += 1
     if keep >= depth:
         return None
