@@ -157,7 +157,7 @@ def trace_activations(
                 else:
                     result = model(**_transformers_inputs(model, batch_size, used_seq, use_cache))
                     outputs = list(_tensors_in(result))
-                    cache = list(_cache_tensors(result))
+                    cache = _cache_layers(result)
                     loss = result.get("loss") if isinstance(result, dict) else getattr(result, "loss", None)
     except EstimateError:
         raise
@@ -190,12 +190,20 @@ def trace_activations(
 
     # a KV cache the output holds: its tensors are mostly the keys/values attention saved anyway; any it
     # holds besides those (transformers may cache keys in another dtype) are alive from forward on
-    cache_all, cache_unsaved = 0, 0
-    for tensor in {id(t): t for t in cache}.values():
-        base = tensor._base if tensor._base is not None else tensor
-        cache_all += _nbytes(base)
-        if id(base) not in recorder.seen:
-            cache_unsaved += _nbytes(base)
+    # (per cache layer, counting each storage once, at the first layer that holds it)
+    cache_all, cache_unsaved, counted = [], [], set()
+    for layer in cache:
+        layer_all = layer_unsaved = 0
+        for tensor in layer:
+            base = tensor._base if tensor._base is not None else tensor
+            if id(base) in counted:
+                continue
+            counted.add(id(base))
+            layer_all += _nbytes(base)
+            if id(base) not in recorder.seen:
+                layer_unsaved += _nbytes(base)
+        cache_all.append(layer_all)
+        cache_unsaved.append(layer_unsaved)
     retained = 0
     for tensor in outputs:
         base = tensor._base if tensor._base is not None else tensor
@@ -235,8 +243,13 @@ def trace_activations(
         gaps = [gaps[j] for j in repeats] + gaps[-1:]
         note = (f"Traced {count} of {len(repeats)} blocks, which hold every kind of block the stack has; each "
                 "further block counted like the last traced block of its kind.")
-        # one cache entry per block
-        cache_all, cache_unsaved = cache_all * len(repeats) // count, cache_unsaved * len(repeats) // count
+        # a cache with one layer per block: each further block holds what the block it repeats holds (a Mamba block
+        # of a hybrid stack holds no keys); a cache laid out otherwise is scaled by the blocks
+        if len(cache_all) == count:
+            cache_all, cache_unsaved = [cache_all[j] for j in repeats], [cache_unsaved[j] for j in repeats]
+        else:
+            cache_all = [sum(cache_all) * len(repeats) // count]
+            cache_unsaved = [sum(cache_unsaved) * len(repeats) // count]
     cast_total = recorder.cast_outside + sum(casts)
     head = measured.head if every_block else None
     return ActivationProfile(
@@ -271,8 +284,8 @@ def trace_activations(
         block_forward_rise_bytes=max(forward.rises.values(), default=0),
         forward_measured=True,
         autocast_weight_copy_bytes=cast_total,
-        cache_bytes=cache_all,
-        cache_unsaved_bytes=cache_unsaved,
+        cache_bytes=sum(cache_all),
+        cache_unsaved_bytes=sum(cache_unsaved),
         attention_implementation=(getattr(config, "_attn_implementation", None) if library == "transformers"
                                   else "sdpa" if kernel_log is not None and kernel_log.kernels else None),
         attention_kernels=list(kernel_log.kernels) if kernel_log is not None else [],
@@ -683,23 +696,23 @@ class _Phase:
         self.alive = {}
 
 
-def _cache_tensors(output: Any) -> Iterator[Any]:
-    """Key/value tensors of a cache the model returns (transformers' DynamicCache keeps them per layer)."""
+def _cache_layers(output: Any) -> list[list[Any]]:
+    """The key/value tensors of a cache the model returns, per cache layer (transformers' DynamicCache keeps one
+    layer per block; the legacy form is a tuple of per-layer tuples)."""
     if not isinstance(output, dict):
-        return
+        return []
     cache = output.get("cache")  # transformers 5.x; `past_key_values` before
     if cache is None:
         cache = output.get("past_key_values")
     if cache is None:
-        return
-    if isinstance(cache, (list, tuple)):  # the legacy tuple-of-tuples form
-        yield from _tensors_in(cache)
-        return
+        return []
+    if isinstance(cache, (list, tuple)):
+        return [list(_tensors_in(layer)) for layer in cache]
+    layers = []
     for layer in getattr(cache, "layers", None) or []:
-        for name in ("keys", "values"):
-            value = getattr(layer, name, None)
-            if value is not None and hasattr(value, "numel"):
-                yield value
+        values = (getattr(layer, name, None) for name in ("keys", "values"))
+        layers.append([value for value in values if value is not None and hasattr(value, "numel")])
+    return layers
 
 
 def _unpack(tensor: Any) -> Any:

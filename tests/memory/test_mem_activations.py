@@ -33,7 +33,9 @@ FIELDS = ("saved_bytes", "outside_layers_bytes", "outside_after_layers_bytes", "
           "block_input_bytes", "block_backward_peaks", "block_backward_gradient_bytes", "block_parameters",
           "block_cast_bytes", "block_recompute_peaks", "outside_gap_bytes", "retained_output_bytes", "largest_tensor_bytes",
           "forward_peak_bytes", "block_forward_rise_bytes", "block_backward_peak_bytes", "head_backward_bytes",
-          "autocast_weight_copy_bytes", "unreached_parameters")
+          "autocast_weight_copy_bytes", "unreached_parameters",
+          # transformers' training-time KV cache, one layer per block (a hybrid's Mamba blocks hold no keys)
+          "cache_bytes", "cache_unsaved_bytes")
 
 
 def _shallow_and_full(folder, precision_mode="fp32", **trace):
