@@ -151,6 +151,18 @@ def cold_rows(folder: Path, repeats: int, shim: bool = True) -> None:
     print(f"estimate-memory {folder.name} ZeRO-3, fresh process, cache off, median of {repeats}: "
           f"wall {statistics.median(walls):.2f}s (min {min(walls):.2f}s), CPU user+sys {statistics.median(cpus):.2f}s "
           f"(min {min(cpus):.2f}s); load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    # the floor any estimate built on transformers' config classes pays in a fresh process: importing torch, and
+    # reading the folder's config.json with AutoConfig (which imports transformers and the family's config module)
+    floors = {"import torch": "import torch",
+              "AutoConfig.from_pretrained": f"from transformers import AutoConfig; AutoConfig.from_pretrained({str(folder)!r})"}
+    for name, code in floors.items():
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            times.append(time.perf_counter() - started)
+        print(f"  floor, a fresh process that only runs `{name}`: wall {statistics.median(times):.2f}s "
+              f"(ours / this: {statistics.median(walls) / statistics.median(times):.2f})")
 
 
 def main(argv: list[str] | None = None) -> int:

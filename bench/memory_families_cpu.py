@@ -29,6 +29,14 @@ of these families to the 10% line in CI (test_mem_probe.py).
 block where they go: experts from some depth on, attention every k-th block) and compares, without
 training, the estimate from the shallow trace of memory/depth.py with the estimate from a trace of all N
 blocks; a ratio other than 1.000 is a stack the shallow plan misrepresents. Minutes for every family.
+
+    python bench/memory_families_cpu.py --cuda --out /tmp/cuda.jsonl     # the CUDA path on every family
+
+`--cuda` estimates each family for a CUDA target (capability 9.0) and for CPU, without training: the trace
+then takes CUDA's autocast policy, PyTorch's SDPA kernel rules and the kernels' own saved tensors, the path
+a user with a GPU gets. No GPU is involved and nothing is measured; the ratio (CUDA / CPU estimate) only
+shows how far the two paths part, and the findings are estimates that raise, or paths traced for CPU and
+not for CUDA.
 """
 
 from __future__ import annotations
@@ -127,6 +135,50 @@ def shallow_against_full(model_type: str, architecture: str, depth: int) -> list
     return rows
 
 
+def cuda_against_cpu(model_type: str, architecture: str, depth: int) -> list[dict]:
+    """In the child: the estimate for a CUDA target (capability 9.0: CUDA's autocast policy, PyTorch's SDPA kernel
+    rules, the kernels' own saved tensors) next to the one for CPU, per variant, without training. Nothing here
+    is measured on a GPU: a finding is an estimate that raises, or a path traced for CPU and not for CUDA."""
+    from prefect_accelerate.memory import EstimateOptions, estimate
+    from prefect_accelerate.memory.fit import unmodelled_paths
+
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=f"cuda-{model_type}-"))
+        tiny_config(model_type, architecture, depth).save_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - the family's config needs more than the size fields
+        return [{"family": model_type, "variant": "-", "skipped": f"config: {type(error).__name__}: {str(error)[:160]}"}]
+    rows = []
+    for variant, (precision, checkpointing) in VARIANTS.items():
+        row: dict = {"family": model_type, "variant": variant, "architecture": architecture, "blocks": depth}
+        figures = {}
+        for target in ("cpu", "cuda"):
+            try:
+                result = estimate(str(folder), EstimateOptions(
+                    dtypes=("float32",), strategy="ddp", num_processes=1, batch_size=BATCH, seq_len=SEQ, device_type=target,
+                    cuda_capability="9.0" if target == "cuda" else None, mixed_precision=precision,
+                    gradient_checkpointing=checkpointing))
+            except Exception as error:  # noqa: BLE001 - a finding: report it
+                if str(error).startswith("Building"):  # transformers itself cannot build this config
+                    row["skipped"] = f"build: {str(error)[:200]}"
+                else:
+                    row["estimate_error"] = f"{target}: {type(error).__name__}: {str(error)[:200]}"
+                break
+            acts = result.profile.activations
+            row[f"{target}_activations"] = acts.method if acts is not None else "none"
+            figures[target] = result.breakdown.device_total_bytes
+            if target == "cuda":
+                row["attention"] = result.breakdown.attention
+                row["kernels"] = sorted(set(acts.attention_kernels)) if acts is not None else []
+                row["unmodelled"] = unmodelled_paths(result)
+        if len(figures) == 2 and row["cpu_activations"] == "traced":
+            if row["cuda_activations"] != "traced":
+                row["estimate_error"] = f"cuda: not traced where cpu was ({result.profile.activations.note[:160]})"
+            else:
+                row["ratio"] = round(figures["cuda"] / figures["cpu"], 3)
+        rows.append(row)
+    return rows
+
+
 def run_family(model_type: str, architecture: str, depth: int = 2) -> list[dict]:
     """In the child: estimate and measure the three variants of one family."""
     from prefect_accelerate.memory import EstimateOptions, estimate
@@ -180,6 +232,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--deep", type=int, help="N blocks a family; compare shallow traces with full ones (no training)")
     parser.add_argument("--blocks", type=int, default=2, help="blocks a family for the measured walk (8 or more: traced shallow)")
+    parser.add_argument("--cuda", action="store_true",
+                        help="estimates for a CUDA target (capability 9.0) next to CPU's, no training (--blocks deep)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL_TYPE", "ARCHITECTURE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -187,7 +241,8 @@ def main() -> None:
         import sitecustomize  # noqa: F401 - the torchvision shim
 
         os.environ.setdefault("PREFECT_ACCELERATE_PROFILE_CACHE", "off")
-        print(json.dumps(shallow_against_full(*args.child, args.deep) if args.deep else run_family(*args.child, args.blocks)))
+        print(json.dumps(shallow_against_full(*args.child, args.deep) if args.deep
+                         else cuda_against_cpu(*args.child, args.blocks) if args.cuda else run_family(*args.child, args.blocks)))
         return
     seen: set[str] = set()
     if args.out and Path(args.out).exists():
@@ -203,7 +258,7 @@ def main() -> None:
         if model_type in seen:
             continue
         seen.add(model_type)
-        deep = ["--deep", str(args.deep)] if args.deep else ["--blocks", str(args.blocks)]
+        deep = ["--deep", str(args.deep)] if args.deep else ["--blocks", str(args.blocks), *(["--cuda"] if args.cuda else [])]
         child = subprocess.run([sys.executable, __file__, "--child", model_type, architecture, *deep],
                                capture_output=True, text=True, timeout=900)
         try:
@@ -219,12 +274,14 @@ def main() -> None:
                     out.write(json.dumps(row) + "\n")
             ratio = f"{row['ratio']:.3f}" if "ratio" in row else "-"
             note = (row.get("estimate_error") or row.get("skipped") or row.get("plan")
+                    or " ".join([",".join(row.get("kernels", [])), "; ".join(row.get("unmodelled", []))]).strip()
                     or ("" if "ratio" in row else row.get("activations", "")))
             print(f"{model_type:28s} {row['variant']:14s} {ratio:>6s}  {row.get('attention', '')[:24]:24s} {note[:90]}", flush=True)
     ratios = [row["ratio"] for row in rows if "ratio" in row]
     if ratios:
         inside = sum(0.90 <= r <= 1.10 for r in ratios)
-        against = "the full trace's estimate" if args.deep else "the measured peak"
+        against = ("the full trace's estimate" if args.deep else "the CPU target's estimate (not a measurement)" if args.cuda
+                   else "the measured peak")
         print(f"\n{len(ratios)} runs compared ({len(seen)} families): {inside} within 10% of {against}; "
               f"lowest {min(ratios):.3f}, highest {max(ratios):.3f}")
         if args.deep:
