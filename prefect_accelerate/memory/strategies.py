@@ -292,7 +292,7 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
         all_items_bytes=sum(by_key.values()) - by_key["loop_outputs"],  # already inside the activations
         model_states_bytes=states,
         cpu_items=cpu, cpu_per_machine_bytes=cpu_total, cpu_per_machine=human_bytes(cpu_total),
-        activations_method=method, attention=_attention_label(profile.activations), notes=notes,
+        activations_method=method, attention=_attention_label(profile.activations, options.device_type), notes=notes,
     )
 
 
@@ -420,7 +420,7 @@ def _last_block_phase(profile: ModelProfile, options: EstimateOptions, gradients
     return int(held + made)
 
 
-def _attention_label(acts: ActivationProfile | None) -> str:
+def _attention_label(acts: ActivationProfile | None, device_type: str) -> str:
     """What attention the activations assume, in words: 'sdpa (CUDA kernel: flash)', 'eager'."""
     if acts is None or acts.method != "traced":
         return ""
@@ -428,7 +428,8 @@ def _attention_label(acts: ActivationProfile | None) -> str:
     if acts.attention_kernels and acts.attention_implementation != "flash_attention_2":
         label += f" (CUDA kernel: {', '.join(acts.attention_kernels)})"
     elif not acts.attention_kernels and label == "sdpa":
-        label += " (CPU kernels)"
+        # for a CUDA target, a traced forward that made no SDPA call (a stack of Mamba or linear-attention blocks)
+        label += " (CPU kernels)" if device_type == "cpu" else " (no SDPA call in the traced forward)"
     return label.strip()
 
 

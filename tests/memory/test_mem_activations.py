@@ -750,3 +750,22 @@ def test_any_mix_of_blocks_traced_shallow_gives_the_full_traces_figures(tmp_path
         # scalars the router makes now and then come to tens of bytes in megabytes; a block stood in for by
         # the wrong one is off by a percent (the first block standing for later ones: 0.8%)
         assert getattr(extrapolated, field) == pytest.approx(getattr(whole, field), rel=1e-4, abs=256), field
+
+
+def test_a_cuda_target_without_any_sdpa_call_is_not_labelled_with_cpu_kernels(tmp_path):
+    """A stack of Mamba blocks built with `sdpa` makes no SDPA call: for a CUDA target no kernel was stood in for,
+    and the label says that instead of "CPU kernels" (which only a CPU target runs)."""
+    import transformers
+
+    transformers.BambaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, vocab_size=300, attn_layer_indices=[], mamba_n_heads=8, mamba_d_head=16,
+                             mamba_d_state=16, architectures=["BambaForCausalLM"]).save_pretrained(tmp_path)
+    labels = {}
+    for target in ("cuda", "cpu"):
+        options = EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=2, seq_len=32, device_type=target,
+                                  cuda_capability="9.0" if target == "cuda" else None)
+        result = estimate(str(tmp_path), options)
+        assert result.profile.activations.method == "traced"
+        assert result.profile.activations.attention_kernels == []
+        labels[target] = result.breakdown.attention
+    assert labels == {"cuda": "sdpa (no SDPA call in the traced forward)", "cpu": "sdpa (CPU kernels)"}
