@@ -1,0 +1,168 @@
+"""The estimate for sharded layouts against real FSDP and DDP runs: 2 processes on CPU (gloo), on loopback.
+
+`estimate-memory --strategy fsdp_full_shard --num_processes 2` models one device of a sharded layout; the
+probe (`--measure`) runs one process, so it cannot measure that. This bench runs the real layout: a tiny
+Llama (written locally: 4 blocks, width 256, 1,000-token vocabulary) trained for 3 AdamW steps of
+Accelerate's loop under `torch.distributed.run` with 2 processes and gloo, wrapped as Accelerate wraps it
+(one unit per decoder block, the root for the rest):
+
+- `ddp`: `DistributedDataParallel` (gradient buckets);
+- `fsdp_full_shard`, `fsdp_shard_grad_op`: FSDP1 (`FullyShardedDataParallel`, `use_orig_params=True`),
+  Accelerate's default `fsdp_version: 1`, which is what the estimate's bookkeeping follows;
+- `fsdp2`: `fully_shard` per block and on the root (Accelerate's `fsdp_version: 2`), compared with the
+  `fsdp_full_shard` estimate.
+
+Each rank measures its own peak with the probe's CPU allocator recorder (memory/probe.py), from after the
+model is wrapped (so the unsharded model each process builds first on CPU, which a GPU never holds, is not
+counted) plus the shards it keeps. Each layout runs `--repeats` times; the table gives the estimate, the
+lowest and highest per-rank peak, and both ratios. Gloo's collectives allocate on its own threads, so the
+per-rank peak varies from run to run by a few units of one block's weights: that spread is printed, not
+smoothed. Nothing here passes or fails; no GPU is involved.
+
+    python bench/memory_sharded_cpu.py              # 4 layouts x 3 runs: about 3 minutes on 2 cores
+    python bench/memory_sharded_cpu.py --repeats 5 --only fsdp_full_shard
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests" / "shims"))  # torchvision shim (CPU torch beside a CUDA torchvision wheel)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LAYOUTS = {"ddp": "ddp", "fsdp_full_shard": "fsdp_full_shard", "fsdp_shard_grad_op": "fsdp_shard_grad_op",
+           "fsdp2": "fsdp_full_shard"}  # layout run -> strategy estimated
+BATCH, SEQ, STEPS, PROCESSES = 4, 128, 3, 2
+
+
+def write_config(folder: Path) -> Path:
+    import transformers
+
+    transformers.LlamaConfig(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+        vocab_size=1000, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        tie_word_embeddings=False, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    return folder
+
+
+def rank_peak(folder: str, layout: str) -> dict:
+    """In each process of the launch: wrap, train, and return this rank's allocator peak."""
+    import functools
+    import gc
+
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from prefect_accelerate.memory.measured import batch_for, train_step
+    from prefect_accelerate.memory.probe import allocation_peak, allocation_recorder
+
+    dist.init_process_group("gloo")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config).train()
+    block = type(model.model.layers[0])
+    if layout == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        local = list(model.parameters())
+    elif layout == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        local = [p.to_local() for p in model.parameters()]
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+        strategy = ShardingStrategy.FULL_SHARD if layout == "fsdp_full_shard" else ShardingStrategy.SHARD_GRAD_OP
+        model = FullyShardedDataParallel(
+            model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block}),
+            sharding_strategy=strategy, device_id=torch.device("cpu"), use_orig_params=True)
+        local = list(model.parameters())
+    kept_bytes = sum(p.numel() * p.element_size() for p in local) + sum(b.numel() * b.element_size() for b in model.buffers())
+    gc.collect()
+    case = {"library": "transformers", "batch_size": BATCH, "seq_len": SEQ, "mixed_precision": "no"}
+    recorder = allocation_recorder()
+    with recorder:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        inputs = batch_for(case, model.module if layout == "ddp" else model, "cpu")
+        kept: dict = {}
+        for _ in range(STEPS):
+            train_step(case, model, optimizer, inputs, "cpu", kept)
+        del kept, optimizer
+    peak = allocation_peak(recorder) + kept_bytes
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return {"rank": rank, "peak": int(peak)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(folder: Path, layout: str) -> list[int]:
+    """One run of the layout under torch.distributed.run; the per-rank peaks."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PROCESSES),
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--child", str(folder), layout]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"rank"')]
+    if done.returncode != 0 or len(rows) != PROCESSES:
+        raise SystemExit(f"{layout}: exit {done.returncode}\n{done.stderr[-3000:]}")
+    return [row["peak"] for row in sorted(rows, key=lambda row: row["rank"])]
+
+
+def estimated(folder: Path, strategy: str) -> int:
+    from prefect_accelerate.memory import EstimateOptions, estimate
+
+    options = EstimateOptions(dtypes=("float32",), strategy=strategy, num_processes=PROCESSES, batch_size=BATCH,
+                              seq_len=SEQ, device_type="cpu", mixed_precision="no")
+    return estimate(str(folder), options).breakdown.device_total_bytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", action="append", choices=sorted(LAYOUTS), default=[])
+    parser.add_argument("--out", help="append each layout's figures as a JSON line here")
+    parser.add_argument("--child", nargs=2, metavar=("FOLDER", "LAYOUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import sitecustomize  # noqa: F401 - the torchvision shim
+
+        print(json.dumps(rank_peak(*args.child)), flush=True)
+        return
+    os.environ.setdefault("PREFECT_ACCELERATE_PROFILE_CACHE", "off")
+    with tempfile.TemporaryDirectory(prefix="sharded-") as tmp:
+        folder = write_config(Path(tmp))
+        print(f"tiny Llama, {PROCESSES} processes (gloo, CPU), batch {BATCH} x {SEQ}, fp32, {STEPS} AdamW steps, "
+              f"{args.repeats} runs per layout; MB = 1e6 bytes")
+        print(f"{'layout':20s} {'estimate':>9s} {'lowest':>8s} {'median':>8s} {'highest':>8s}  est/lowest est/highest")
+        for layout in args.only or list(LAYOUTS):
+            figure = estimated(folder, LAYOUTS[layout])
+            peaks = [peak for _ in range(args.repeats) for peak in launch(folder, layout)]
+            low, mid, high = min(peaks), statistics.median(peaks), max(peaks)
+            print(f"{layout:20s} {figure / 1e6:9.2f} {low / 1e6:8.2f} {mid / 1e6:8.2f} {high / 1e6:8.2f}  "
+                  f"{figure / low:10.3f} {figure / high:11.3f}", flush=True)
+            if args.out:
+                with open(args.out, "a") as out:
+                    out.write(json.dumps({"layout": layout, "estimated_as": LAYOUTS[layout], "estimate": figure,
+                                          "rank_peaks": peaks, "processes": PROCESSES, "batch": BATCH, "seq": SEQ}) + "\n")
+
+
+if __name__ == "__main__":
+    main()

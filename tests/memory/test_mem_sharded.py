@@ -1,0 +1,33 @@
+"""The estimate for sharded layouts against the real layout: DDP and FSDP (FULL_SHARD) with 2 processes under
+torch.distributed.run (gloo, CPU, loopback), each rank's own allocator peak (bench/memory_sharded_cpu.py).
+The probe (`--measure`) runs one process and cannot see a sharded layout; this holds the estimate's
+bookkeeping for one rank (shards, gathered units, DDP's buckets) to what real processes hold."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "memory_sharded_cpu.py"
+
+pytestmark = pytest.mark.slow
+
+
+def test_each_ranks_real_peak_under_ddp_and_fsdp_is_within_ten_percent_of_the_estimate(tmp_path):
+    out = tmp_path / "sharded.jsonl"
+    done = subprocess.run([sys.executable, str(BENCH), "--repeats", "1", "--only", "ddp", "--only", "fsdp_full_shard",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = {row["layout"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == ["ddp", "fsdp_full_shard"]
+    for layout, row in rows.items():
+        assert len(row["rank_peaks"]) == 2
+        for peak in row["rank_peaks"]:
+            assert 0.90 <= row["estimate"] / peak <= 1.10, (layout, row)
+    # sharding saves what the estimate says it saves, in the real run too
+    assert max(rows["fsdp_full_shard"]["rank_peaks"]) < min(rows["ddp"]["rank_peaks"])
+    assert rows["fsdp_full_shard"]["estimate"] < rows["ddp"]["estimate"]
