@@ -55,8 +55,9 @@ def write_config(folder: Path) -> Path:
     return folder
 
 
-def rank_peak(folder: str, layout: str) -> dict:
-    """In each process of the launch: wrap, train, and return this rank's allocator peak."""
+def rank_peak(folder: str, layout: str, precision: str) -> dict:
+    """In each process of the launch: wrap, train, and return this rank's allocator peak. ``precision`` "bf16":
+    autocast, and for FSDP 16-bit gathered weights and reductions (Accelerate's FSDP mixed-precision policy)."""
     import functools
     import gc
 
@@ -72,28 +73,31 @@ def rank_peak(folder: str, layout: str) -> dict:
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM._from_config(config).train()
     block = type(model.model.layers[0])
+    half = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16} if precision == "bf16" else None
     if layout == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
         local = list(model.parameters())
     elif layout == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = {"mp_policy": MixedPrecisionPolicy(**half)} if half else {}
         for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **policy)
+        fully_shard(model, **policy)
         local = [p.to_local() for p in model.parameters()]
     else:
-        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
         strategy = ShardingStrategy.FULL_SHARD if layout == "fsdp_full_shard" else ShardingStrategy.SHARD_GRAD_OP
         model = FullyShardedDataParallel(
             model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block}),
-            sharding_strategy=strategy, device_id=torch.device("cpu"), use_orig_params=True)
+            sharding_strategy=strategy, device_id=torch.device("cpu"), use_orig_params=True,
+            mixed_precision=MixedPrecision(**half, buffer_dtype=torch.bfloat16) if half else None)
         local = list(model.parameters())
     kept_bytes = sum(p.numel() * p.element_size() for p in local) + sum(b.numel() * b.element_size() for b in model.buffers())
     gc.collect()
-    case = {"library": "transformers", "batch_size": BATCH, "seq_len": SEQ, "mixed_precision": "no"}
+    case = {"library": "transformers", "batch_size": BATCH, "seq_len": SEQ, "mixed_precision": precision}
     recorder = allocation_recorder()
     with recorder:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -114,10 +118,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(folder: Path, layout: str) -> list[int]:
+def launch(folder: Path, layout: str, precision: str) -> list[int]:
     """One run of the layout under torch.distributed.run; the per-rank peaks."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PROCESSES),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--child", str(folder), layout]
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--child", str(folder), layout, precision]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"rank"')]
@@ -126,11 +130,11 @@ def launch(folder: Path, layout: str) -> list[int]:
     return [row["peak"] for row in sorted(rows, key=lambda row: row["rank"])]
 
 
-def estimated(folder: Path, strategy: str) -> int:
+def estimated(folder: Path, strategy: str, precision: str) -> int:
     from prefect_accelerate.memory import EstimateOptions, estimate
 
     options = EstimateOptions(dtypes=("float32",), strategy=strategy, num_processes=PROCESSES, batch_size=BATCH,
-                              seq_len=SEQ, device_type="cpu", mixed_precision="no")
+                              seq_len=SEQ, device_type="cpu", mixed_precision=precision)
     return estimate(str(folder), options).breakdown.device_total_bytes
 
 
@@ -138,8 +142,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", action="append", choices=sorted(LAYOUTS), default=[])
+    parser.add_argument("--mixed_precision", choices=("no", "bf16"), default="no")
     parser.add_argument("--out", help="append each layout's figures as a JSON line here")
-    parser.add_argument("--child", nargs=2, metavar=("FOLDER", "LAYOUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("FOLDER", "LAYOUT", "PRECISION"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         import sitecustomize  # noqa: F401 - the torchvision shim
@@ -149,19 +154,20 @@ def main() -> None:
     os.environ.setdefault("PREFECT_ACCELERATE_PROFILE_CACHE", "off")
     with tempfile.TemporaryDirectory(prefix="sharded-") as tmp:
         folder = write_config(Path(tmp))
-        print(f"tiny Llama, {PROCESSES} processes (gloo, CPU), batch {BATCH} x {SEQ}, fp32, {STEPS} AdamW steps, "
+        print(f"tiny Llama, {PROCESSES} processes (gloo, CPU), batch {BATCH} x {SEQ}, {args.mixed_precision}, {STEPS} AdamW steps, "
               f"{args.repeats} runs per layout; MB = 1e6 bytes")
         print(f"{'layout':20s} {'estimate':>9s} {'lowest':>8s} {'median':>8s} {'highest':>8s}  est/lowest est/highest")
         for layout in args.only or list(LAYOUTS):
-            figure = estimated(folder, LAYOUTS[layout])
-            peaks = [peak for _ in range(args.repeats) for peak in launch(folder, layout)]
+            figure = estimated(folder, LAYOUTS[layout], args.mixed_precision)
+            peaks = [peak for _ in range(args.repeats) for peak in launch(folder, layout, args.mixed_precision)]
             low, mid, high = min(peaks), statistics.median(peaks), max(peaks)
             print(f"{layout:20s} {figure / 1e6:9.2f} {low / 1e6:8.2f} {mid / 1e6:8.2f} {high / 1e6:8.2f}  "
                   f"{figure / low:10.3f} {figure / high:11.3f}", flush=True)
             if args.out:
                 with open(args.out, "a") as out:
                     out.write(json.dumps({"layout": layout, "estimated_as": LAYOUTS[layout], "estimate": figure,
-                                          "rank_peaks": peaks, "processes": PROCESSES, "batch": BATCH, "seq": SEQ}) + "\n")
+                                          "rank_peaks": peaks, "processes": PROCESSES, "batch": BATCH, "seq": SEQ,
+                                          "mixed_precision": args.mixed_precision}) + "\n")
 
 
 if __name__ == "__main__":
