@@ -10,7 +10,10 @@ Accelerate's loop under `torch.distributed.run` with 2 processes and gloo, wrapp
 - `fsdp_full_shard`, `fsdp_shard_grad_op`: FSDP1 (`FullyShardedDataParallel`, `use_orig_params=True`),
   Accelerate's default `fsdp_version: 1`, which is what the estimate's bookkeeping follows;
 - `fsdp2`: `fully_shard` per block and on the root (Accelerate's `fsdp_version: 2`), compared with the
-  `fsdp_full_shard` estimate.
+  `fsdp_full_shard` estimate;
+- `zero2`, `zero3`: `deepspeed.initialize` as Accelerate's plugin configures it without a JSON file (the stage,
+  bf16 when asked, DeepSpeed's defaults for the rest, the script's torch AdamW as client optimizer), on
+  DeepSpeed's CPU accelerator (its shared-memory op left uncompiled: gloo does that work).
 
 Each rank measures its own peak with the probe's CPU allocator recorder (memory/probe.py), from after the
 model is wrapped (so the unsharded model each process builds first on CPU, which a GPU never holds, is not
@@ -19,7 +22,7 @@ lowest and highest per-rank peak, and both ratios. Gloo's collectives allocate o
 per-rank peak varies from run to run by a few units of one block's weights: that spread is printed, not
 smoothed. Nothing here passes or fails; no GPU is involved.
 
-    python bench/memory_sharded_cpu.py              # 4 layouts x 3 runs: about 3 minutes on 2 cores
+    python bench/memory_sharded_cpu.py              # 6 layouts x 3 runs: about 5 minutes on 2 cores
     python bench/memory_sharded_cpu.py --repeats 5 --only fsdp_full_shard
 """
 
@@ -41,7 +44,7 @@ sys.path.insert(0, str(REPO / "tests" / "shims"))  # torchvision shim (CPU torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LAYOUTS = {"ddp": "ddp", "fsdp_full_shard": "fsdp_full_shard", "fsdp_shard_grad_op": "fsdp_shard_grad_op",
-           "fsdp2": "fsdp_full_shard"}  # layout run -> strategy estimated
+           "fsdp2": "fsdp_full_shard", "zero2": "zero2", "zero3": "zero3"}  # layout run -> strategy estimated
 BATCH, SEQ, STEPS, PROCESSES = 4, 128, 3, 2
 
 
@@ -112,6 +115,64 @@ def rank_peak(folder: str, layout: str, precision: str) -> dict:
     return {"rank": rank, "peak": int(peak)}
 
 
+def zero_rank_peak(folder: str, layout: str, precision: str) -> dict:
+    """In each process of a DeepSpeed launch: `deepspeed.initialize` with Accelerate's plugin defaults (the stage,
+    bf16 when asked, DeepSpeed's own defaults for the rest, a torch AdamW as the client optimizer), train, and
+    return this rank's allocator peak from the end of `initialize` on (the fp32 model every process builds first
+    on CPU is never on the device)."""
+    import gc
+    import importlib
+    import time
+
+    import torch
+    import transformers
+
+    # DeepSpeed's shared-memory all-reduce op would be compiled first (minutes); gloo does its work here
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+
+    from prefect_accelerate.memory.measured import batch_for, train_step
+    from prefect_accelerate.memory.probe import allocation_recorder
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    settings = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": int(layout[-1])}}
+    if precision == "bf16":
+        settings["bf16"] = {"enabled": True}
+    case = {"library": "transformers", "batch_size": BATCH, "seq_len": SEQ, "mixed_precision": "no"}  # no autocast
+    torch.manual_seed(0)
+    recorder = allocation_recorder()
+    with recorder:
+        model = transformers.LlamaForCausalLM._from_config(config).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=settings)
+        del model, optimizer
+        gc.collect()
+        started = time.time_ns()  # the profiler stamps its events with the same clock
+        inputs = batch_for(case, engine.module, "cpu")
+        kept: dict = {}
+        for _ in range(STEPS):
+            kept["outputs"] = None
+            kept["outputs"] = engine(**inputs)
+            engine.backward(kept["outputs"].loss)
+            engine.step()
+        del kept
+    cpu = torch.autograd.DeviceType.CPU
+    events = sorted((event for event in recorder.profiler.kineto_results.events()
+                     if event.name() == "[memory]" and event.device_type() == cpu), key=lambda event: event.start_ns())
+    held, peak = 0, None
+    for event in events:
+        if peak is None and event.start_ns() >= started:
+            peak = held  # what lives on the device once initialize is done
+        held += event.nbytes()
+        if peak is not None:
+            peak = max(peak, held)
+    rank = torch.distributed.get_rank()
+    torch.distributed.destroy_process_group()
+    return {"rank": rank, "peak": int(peak or 0)}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -149,7 +210,8 @@ def main() -> None:
     if args.child:
         import sitecustomize  # noqa: F401 - the torchvision shim
 
-        print(json.dumps(rank_peak(*args.child)), flush=True)
+        run = zero_rank_peak if args.child[1].startswith("zero") else rank_peak
+        print(json.dumps(run(*args.child)), flush=True)
         return
     os.environ.setdefault("PREFECT_ACCELERATE_PROFILE_CACHE", "off")
     with tempfile.TemporaryDirectory(prefix="sharded-") as tmp:

@@ -24,6 +24,10 @@ from prefect_accelerate.memory.models import (
 from prefect_accelerate.memory.units import human_bytes
 
 #: DeepSpeed's default `reduce_bucket_size` (elements); Accelerate keeps it unless a JSON config says "auto".
+#: DeepSpeed allocates the bucket whole, whatever the model's size (`contiguous_gradients`, on by default):
+#: ZeRO-1/2 at the start of each backward (deepspeed/runtime/zero/stage_1_and_2.py, `setup_buckets`), ZeRO-3
+#: once at start-up (stage3.py, the IPG buffers after `initialize_optimizer_states`), in the weights' dtype.
+#: A second one only with `overlap_comm`, which DeepSpeed turns on by default for ZeRO-3 alone, where it adds none.
 DS_REDUCE_BUCKET = 500_000_000
 #: DeepSpeed's default ZeRO-3 `sub_group_size` (elements): the optimizer steps this much at a time.
 DS_SUB_GROUP = 1_000_000_000
@@ -170,8 +174,8 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
         device=device,
         cpu=_deepspeed_cpu(profile, stage, offload, per_machine, options.num_processes, options.num_machines),
         step=MemoryItem.of("step_temporaries", "Optimizer step temporaries", step, step_formula),
-        communication=MemoryItem.of("communication_buffers", "Communication buffers", b * min(DS_REDUCE_BUCKET, p),
-                                    f"ZeRO reduce bucket: {b} B x min(P, reduce_bucket_size=5e8)"),
+        communication=MemoryItem.of("communication_buffers", "Communication buffers", b * DS_REDUCE_BUCKET,
+                                    f"ZeRO reduce bucket: {b} B x reduce_bucket_size (5e8, allocated whole)"),
         notes=notes,
     )
 

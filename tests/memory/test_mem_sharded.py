@@ -1,5 +1,6 @@
-"""The estimate for sharded layouts against the real layout: DDP and FSDP (FULL_SHARD) with 2 processes under
-torch.distributed.run (gloo, CPU, loopback), each rank's own allocator peak (bench/memory_sharded_cpu.py).
+"""The estimate for sharded layouts against the real layout: DDP, FSDP (FULL_SHARD) and DeepSpeed ZeRO-2 (bf16) with
+2 processes under torch.distributed.run (gloo, CPU, loopback), each rank's own allocator peak
+(bench/memory_sharded_cpu.py).
 The probe (`--measure`) runs one process and cannot see a sharded layout; this holds the estimate's
 bookkeeping for one rank (shards, gathered units, DDP's buckets) to what real processes hold."""
 
@@ -17,13 +18,17 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "memory_sharded_cpu.py"
 pytestmark = pytest.mark.slow
 
 
-def test_each_ranks_real_peak_under_ddp_and_fsdp_is_within_ten_percent_of_the_estimate(tmp_path):
-    out = tmp_path / "sharded.jsonl"
-    done = subprocess.run([sys.executable, str(BENCH), "--repeats", "1", "--only", "ddp", "--only", "fsdp_full_shard",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+def _layouts(out, *layouts, precision="no"):
+    done = subprocess.run([sys.executable, str(BENCH), "--repeats", "1", *(f"--only={name}" for name in layouts),
+                           "--mixed_precision", precision, "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = {row["layout"]: row for row in map(json.loads, out.read_text().splitlines())}
-    assert sorted(rows) == ["ddp", "fsdp_full_shard"]
+    assert sorted(rows) == sorted(layouts)
+    return rows
+
+
+def test_each_ranks_real_peak_under_ddp_and_fsdp_is_within_ten_percent_of_the_estimate(tmp_path):
+    rows = _layouts(tmp_path / "sharded.jsonl", "ddp", "fsdp_full_shard")
     for layout, row in rows.items():
         assert len(row["rank_peaks"]) == 2
         for peak in row["rank_peaks"]:
@@ -31,3 +36,13 @@ def test_each_ranks_real_peak_under_ddp_and_fsdp_is_within_ten_percent_of_the_es
     # sharding saves what the estimate says it saves, in the real run too
     assert max(rows["fsdp_full_shard"]["rank_peaks"]) < min(rows["ddp"]["rank_peaks"])
     assert rows["fsdp_full_shard"]["estimate"] < rows["ddp"]["estimate"]
+
+
+def test_deepspeeds_zero2_holds_its_whole_reduce_bucket_on_each_rank_as_estimated(tmp_path):
+    """DeepSpeed allocates its 5e8-element reduce bucket whole: a 3M-parameter model needs 1 GB per rank in bf16
+    (the estimate said 0.06 GB while it counted min(P, 5e8))."""
+    row = _layouts(tmp_path / "zero.jsonl", "zero2", precision="bf16")["zero2"]
+    assert len(row["rank_peaks"]) == 2
+    for peak in row["rank_peaks"]:
+        assert peak > 10**9  # the bucket: 5e8 x 2 B
+        assert 0.90 <= row["estimate"] / peak <= 1.10, row

@@ -79,6 +79,16 @@ def test_ddp_keeps_sixteen_bytes_per_parameter_for_adamw_in_fp32():
     assert device_breakdown(profile(1_000_000, 1000), EstimateOptions(strategy="ddp", num_processes=2)).item("communication_buffers").bytes == 4_000_000
 
 
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("parameters", [3_000_000, 350_000_000, 7_000_000_000])
+def test_zeros_reduce_bucket_is_allocated_whole_whatever_the_models_size(strategy, parameters):
+    """DeepSpeed allocates `reduce_bucket_size` elements (5e8 by default) in the weights' dtype, not min(P, 5e8):
+    a 3M-parameter model measured 2.07 GB per rank in fp32 under ZeRO-2 on 2 processes (bench/memory_sharded_cpu.py)."""
+    for precision, width in (("bf16", 2), ("no", 4)):
+        b = device_breakdown(profile(parameters, parameters // 10), layout(strategy, 2, 1, mixed_precision=precision))
+        assert b.item("communication_buffers").bytes == width * 500_000_000
+
+
 def test_optimizer_states_per_optimizer():
     p = profile(1_000_000, 1000, small_tensor_numel=10_000, adafactor_state_numel=20_000)
     states = {opt: device_breakdown(p, EstimateOptions(strategy="ddp", optimizer=opt)).item("optimizer_states").bytes
