@@ -24,6 +24,10 @@ smoothed. Nothing here passes or fails; no GPU is involved.
 
     python bench/memory_sharded_cpu.py              # 6 layouts x 3 runs: about 5 minutes on 2 cores
     python bench/memory_sharded_cpu.py --repeats 5 --only fsdp_full_shard
+    python bench/memory_sharded_cpu.py --only zero2 --only zero3 --reduce_bucket_size 2000000 --overlap_comm on
+
+With DeepSpeed's default 5e8-element reduce bucket, the bucket is nearly all of a ZeRO rank's peak on this
+model; a small `--reduce_bucket_size` lets the rest (partitioned states, gathered weights, activations) show.
 """
 
 from __future__ import annotations
@@ -115,7 +119,7 @@ def rank_peak(folder: str, layout: str, precision: str) -> dict:
     return {"rank": rank, "peak": int(peak)}
 
 
-def zero_rank_peak(folder: str, layout: str, precision: str) -> dict:
+def zero_rank_peak(folder: str, layout: str, precision: str, bucket: str = "default", overlap: str = "default") -> dict:
     """In each process of a DeepSpeed launch: `deepspeed.initialize` with Accelerate's plugin defaults (the stage,
     bf16 when asked, DeepSpeed's own defaults for the rest, a torch AdamW as the client optimizer), train, and
     return this rank's allocator peak from the end of `initialize` on (the fp32 model every process builds first
@@ -138,6 +142,10 @@ def zero_rank_peak(folder: str, layout: str, precision: str) -> dict:
     config = transformers.AutoConfig.from_pretrained(folder)
     settings = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
                 "zero_optimization": {"stage": int(layout[-1])}}
+    if bucket != "default":
+        settings["zero_optimization"]["reduce_bucket_size"] = int(bucket)
+    if overlap != "default":
+        settings["zero_optimization"]["overlap_comm"] = overlap == "on"
     if precision == "bf16":
         settings["bf16"] = {"enabled": True}
     case = {"library": "transformers", "batch_size": BATCH, "seq_len": SEQ, "mixed_precision": "no"}  # no autocast
@@ -179,10 +187,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(folder: Path, layout: str, precision: str) -> list[int]:
+def launch(folder: Path, layout: str, precision: str, zero: tuple[str, str] = ("default", "default")) -> list[int]:
     """One run of the layout under torch.distributed.run; the per-rank peaks."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PROCESSES),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--child", str(folder), layout, precision]
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--child", str(folder), layout, precision, *zero]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"rank"')]
@@ -191,11 +199,13 @@ def launch(folder: Path, layout: str, precision: str) -> list[int]:
     return [row["peak"] for row in sorted(rows, key=lambda row: row["rank"])]
 
 
-def estimated(folder: Path, strategy: str, precision: str) -> int:
+def estimated(folder: Path, strategy: str, precision: str, zero: tuple[str, str] = ("default", "default")) -> int:
     from prefect_accelerate.memory import EstimateOptions, estimate
 
     options = EstimateOptions(dtypes=("float32",), strategy=strategy, num_processes=PROCESSES, batch_size=BATCH,
-                              seq_len=SEQ, device_type="cpu", mixed_precision=precision)
+                              seq_len=SEQ, device_type="cpu", mixed_precision=precision,
+                              reduce_bucket_size=None if zero[0] == "default" else int(zero[0]),
+                              overlap_comm=None if zero[1] == "default" else zero[1] == "on")
     return estimate(str(folder), options).breakdown.device_total_bytes
 
 
@@ -205,7 +215,11 @@ def main() -> None:
     parser.add_argument("--only", action="append", choices=sorted(LAYOUTS), default=[])
     parser.add_argument("--mixed_precision", choices=("no", "bf16"), default="no")
     parser.add_argument("--out", help="append each layout's figures as a JSON line here")
-    parser.add_argument("--child", nargs=3, metavar=("FOLDER", "LAYOUT", "PRECISION"), help=argparse.SUPPRESS)
+    parser.add_argument("--reduce_bucket_size", default="default",
+                        help="ZeRO layouts: DeepSpeed's reduce_bucket_size (elements), in the run and the estimate")
+    parser.add_argument("--overlap_comm", choices=("default", "on", "off"), default="default",
+                        help="ZeRO layouts: DeepSpeed's overlap_comm, in the run and the estimate")
+    parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         import sitecustomize  # noqa: F401 - the torchvision shim
@@ -220,8 +234,9 @@ def main() -> None:
               f"{args.repeats} runs per layout; MB = 1e6 bytes")
         print(f"{'layout':20s} {'estimate':>9s} {'lowest':>8s} {'median':>8s} {'highest':>8s}  est/lowest est/highest")
         for layout in args.only or list(LAYOUTS):
-            figure = estimated(folder, LAYOUTS[layout], args.mixed_precision)
-            peaks = [peak for _ in range(args.repeats) for peak in launch(folder, layout, args.mixed_precision)]
+            zero = (args.reduce_bucket_size, args.overlap_comm) if layout.startswith("zero") else ("default", "default")
+            figure = estimated(folder, LAYOUTS[layout], args.mixed_precision, zero)
+            peaks = [peak for _ in range(args.repeats) for peak in launch(folder, layout, args.mixed_precision, zero)]
             low, mid, high = min(peaks), statistics.median(peaks), max(peaks)
             print(f"{layout:20s} {figure / 1e6:9.2f} {low / 1e6:8.2f} {mid / 1e6:8.2f} {high / 1e6:8.2f}  "
                   f"{figure / low:10.3f} {figure / high:11.3f}", flush=True)
@@ -229,7 +244,9 @@ def main() -> None:
                 with open(args.out, "a") as out:
                     out.write(json.dumps({"layout": layout, "estimated_as": LAYOUTS[layout], "estimate": figure,
                                           "rank_peaks": peaks, "processes": PROCESSES, "batch": BATCH, "seq": SEQ,
-                                          "mixed_precision": args.mixed_precision}) + "\n")
+                                          "mixed_precision": args.mixed_precision,
+                                          **({"reduce_bucket_size": zero[0], "overlap_comm": zero[1]} if layout.startswith("zero") else {})})
+                          + "\n")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from prefect_accelerate.memory.choices import (
 #: Flags that ask for the per-device breakdown (the strategy then defaults to ddp).
 _LAYOUT_DESTS = ("strategy", "num_processes", "num_machines", "offload", "optimizer", "mixed_precision",
                  "gradient_checkpointing", "batch_size", "seq_len", "model_class", "device_memory", "attn_implementation",
-                 "measure", "cuda_capability")
+                 "measure", "cuda_capability", "deepspeed_config_file")
 
 #: Exit status when the verdict says the run does not fit (errors exit 2, as everywhere in the CLI).
 NOT_FIT_EXIT_CODE = 1
@@ -80,6 +80,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     layout.add_argument("--cuda_capability", default=None, metavar="MAJOR.MINOR",
                         help="Compute capability of the target GPU for the attention kernel rules, e.g. 9.0 (H100/H200), "
                              "8.0 (A100), 8.9 (L4) (default: this machine's GPU, else 9.0).")
+    layout.add_argument("--deepspeed_config_file", default=None, metavar="PATH",
+                        help="The DeepSpeed JSON config the launch uses: its ZeRO stage (when --strategy is not given), "
+                             "offload, reduce_bucket_size (\"auto\": hidden_size squared, as Accelerate fills it in) "
+                             "and overlap_comm.")
     p.add_argument("--json", action="store_true", default=False, help="Print the estimate (and verdict) as JSON.")
     add_tracking_flags(p, tracked_by_default=False)
     p.set_defaults(func=run)
@@ -95,15 +99,30 @@ def options_from_args(args: argparse.Namespace):  # noqa: ANN201 - EstimateOptio
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UsageError(f"--{name} must be at least 1, got {value}.")
+    strategy, offload, zero = (args.strategy or "ddp") if wants_layout else None, args.offload, {}
+    if getattr(args, "deepspeed_config_file", None):
+        from prefect_accelerate.memory.strategies import deepspeed_json_settings
+
+        zero = deepspeed_json_settings(args.deepspeed_config_file)
+        stage = zero.get("stage")
+        named = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}.get(stage) if stage is not None else None
+        if args.strategy is None:
+            strategy = named or "zero2"  # Accelerate's DeepSpeed plugin default stage
+        elif named is not None and args.strategy != named:
+            raise UsageError(f"--strategy {args.strategy} disagrees with `zero_optimization.stage: {stage}` in "
+                             f"{args.deepspeed_config_file}, which is what DeepSpeed will run. Drop --strategy, or "
+                             "change the stage in the file.")
+        if not given(args, "offload"):
+            offload = zero.get("offload", offload)
     return EstimateOptions(
         library_name=args.library_name,
         dtypes=tuple(args.dtypes),
         trust_remote_code=args.trust_remote_code,
         model_class=args.model_class,
-        strategy=(args.strategy or "ddp") if wants_layout else None,
+        strategy=strategy,
         num_processes=args.num_processes,
         num_machines=args.num_machines,
-        offload=args.offload,
+        offload=offload,
         optimizer=args.optimizer,
         mixed_precision=args.mixed_precision,
         gradient_checkpointing=args.gradient_checkpointing,
@@ -111,6 +130,8 @@ def options_from_args(args: argparse.Namespace):  # noqa: ANN201 - EstimateOptio
         seq_len=args.seq_len,
         attn_implementation=args.attn_implementation,
         cuda_capability=_capability(args.cuda_capability),
+        reduce_bucket_size=zero.get("reduce_bucket_size"),
+        overlap_comm=zero.get("overlap_comm"),
     )
 
 

@@ -6,7 +6,7 @@ import contextlib
 from typing import Any
 
 from prefect_accelerate._version import __version__
-from prefect_accelerate.errors import EstimateError, broken_imports_reported
+from prefect_accelerate.errors import EstimateError, UsageError, broken_imports_reported
 from prefect_accelerate.memory.models import ActivationProfile, EstimateOptions, MemoryEstimate, ModelProfile, ModelSource
 from prefect_accelerate.memory import profile_cache
 from prefect_accelerate.memory.lean_imports import hidden_for
@@ -72,9 +72,27 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *
                 profile_cache.store(key, {"table": [measured_class, total, largest, names],
                                           "profile": profile.model_dump(mode="json") if profile is not None else None})
         table = build_table(source.name, measured_class, total, largest, names, options.dtypes)
+    if options.reduce_bucket_size == "auto":
+        options = options.model_copy(update={"reduce_bucket_size": _auto_bucket(source)})
     breakdown = device_breakdown(profile, options) if profile is not None else None
     return MemoryEstimate(model=source.name, source=source, options=options, table=table, profile=profile,
                           breakdown=breakdown, package_version=__version__)
+
+
+def _auto_bucket(source: ModelSource) -> int:
+    """A DeepSpeed `reduce_bucket_size` of "auto" as Accelerate fills it in (`Accelerator._prepare_deepspeed`):
+    the config's hidden_size squared, or the largest of its hidden_sizes; a model with neither is refused there."""
+    config = source.config or {}
+    hidden = config.get("hidden_size")
+    if not isinstance(hidden, int) and isinstance(config.get("hidden_sizes"), list) and config["hidden_sizes"]:
+        hidden = max(config["hidden_sizes"])
+    if not isinstance(hidden, int):
+        raise UsageError(
+            f"The DeepSpeed config says `zero_optimization.reduce_bucket_size: auto`, which Accelerate fills in from "
+            f"the model config's `hidden_size` (or `hidden_sizes`), and the config of {source.name} has neither: "
+            "Accelerate would refuse this launch. Replace `auto` with a number of elements (DeepSpeed's default is "
+            "500000000).")
+    return hidden * hidden
 
 
 def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfile:

@@ -65,6 +65,12 @@ class EstimateOptions(_Frozen):
         None, pattern=r"^\d+\.\d+$",
         description="compute capability of the target GPU for the attention kernel rules, e.g. 9.0 (H100/H200), 8.0 "
                     "(A100), 8.9 (L4); None: this machine's GPU, else 9.0")
+    reduce_bucket_size: int | Literal["auto"] | None = Field(
+        None, description="DeepSpeed's `zero_optimization.reduce_bucket_size` (elements; 'auto': Accelerate fills in "
+                          "hidden_size squared); None: DeepSpeed's default, 5e8")
+    overlap_comm: bool | None = Field(
+        None, description="DeepSpeed's `zero_optimization.overlap_comm` (ZeRO-1/2 then keep two reduce buckets); None: "
+                          "DeepSpeed's default, on for ZeRO-3 only")
 
 
 class ModelSource(_Frozen):

@@ -10,7 +10,7 @@ precision; tests/memory/test_strategies.py checks that against DeepSpeed itself.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from prefect_accelerate.errors import UsageError
 from prefect_accelerate.memory.choices import DEEPSPEED_STRATEGIES, FSDP_STRATEGIES, weight_dtype
@@ -29,6 +29,12 @@ from prefect_accelerate.memory.units import human_bytes
 #: once at start-up (stage3.py, the IPG buffers after `initialize_optimizer_states`), in the weights' dtype.
 #: A second one only with `overlap_comm`, which DeepSpeed turns on by default for ZeRO-3 alone, where it adds none.
 DS_REDUCE_BUCKET = 500_000_000
+#: DeepSpeed's default `stage3_max_reuse_distance` (elements). ZeRO-3 does not release a gathered parameter that
+#: comes again within this many parameters of the module order it traced in the first step (partitioned_param_
+#: coordinator.py, `__params_to_release`). Forward then backward: a block's weights come again after twice the
+#: parameters of the blocks behind it, so from the second step on the last half of this window of blocks stays
+#: gathered from its forward to its backward (every weight of a model under about 5e8 parameters).
+DS_REUSE_DISTANCE = 1_000_000_000
 #: DeepSpeed's default ZeRO-3 `sub_group_size` (elements): the optimizer steps this much at a time.
 DS_SUB_GROUP = 1_000_000_000
 #: DeepSpeed's estimators budget 1.5x for CPU-side buffers; we use the same factor to agree with them.
@@ -167,6 +173,12 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
     if stage == 3:
         device.append(MemoryItem.of("gathered_layers", "Gathered layers", 2 * b * profile.largest_module_parameters,
                                     f"2 x {b} B x the largest module's parameters (weights + gradients while gathered)"))
+        # DeepSpeed's own estimator leaves this out; the run holds it (bench/memory_sharded_cpu.py)
+        kept = min(p_all, DS_REUSE_DISTANCE // 2 + max(profile.largest_unit_parameters, profile.largest_module_parameters))
+        device.append(MemoryItem.of(
+            "kept_gathered", "Weights kept gathered", b * max(kept - profile.largest_module_parameters, 0),
+            f"{b} B x the blocks within stage3_max_reuse_distance (1e9) of their reuse, gathered from forward to "
+            "backward: min(P, 5e8 + a block), less the largest module counted above"))
     local = min(p / s, DS_SUB_GROUP) if stage == 3 else p / s  # ZeRO-3 steps one sub-group at a time
     step, step_formula = (0, "optimizer runs on CPU") if offload != "none" else _step_temporary(profile, options.optimizer, local)
     notes = ["DeepSpeed keeps 16-bit weights for compute and an fp32 master copy with the optimizer."] if b == 2 else []
@@ -174,10 +186,63 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
         device=device,
         cpu=_deepspeed_cpu(profile, stage, offload, per_machine, options.num_processes, options.num_machines),
         step=MemoryItem.of("step_temporaries", "Optimizer step temporaries", step, step_formula),
-        communication=MemoryItem.of("communication_buffers", "Communication buffers", b * DS_REDUCE_BUCKET,
-                                    f"ZeRO reduce bucket: {b} B x reduce_bucket_size (5e8, allocated whole)"),
+        communication=_reduce_buckets(options, stage, b),
         notes=notes,
     )
+
+
+def deepspeed_json_settings(path: str) -> dict[str, Any]:
+    """What a DeepSpeed JSON config says about the memory layout: ``stage``, ``offload`` (our name),
+    ``reduce_bucket_size`` (elements, or "auto") and ``overlap_comm``; keys it leaves out, or sets to "auto"
+    where Accelerate fills in something else, are absent. Raises UsageError naming the file and field."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except OSError as error:
+        raise UsageError(f"Cannot read the DeepSpeed config {path}: {error.strerror or error}. Pass the path of the "
+                         "JSON file the launch uses (accelerate config's `deepspeed_config_file`).") from None
+    except ValueError as error:
+        raise UsageError(f"The DeepSpeed config {path} is not JSON ({error}). Fix the file, or leave "
+                         "--deepspeed_config_file out to estimate with DeepSpeed's defaults.") from None
+    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else None
+    if not isinstance(zero, dict):
+        raise UsageError(f"`zero_optimization` in the DeepSpeed config {path} must be an object (a JSON dict), got "
+                         f"{type(zero).__name__}. Fix the file, as DeepSpeed itself would refuse it.")
+    found: dict[str, Any] = {}
+    if isinstance(zero.get("stage"), int) and not isinstance(zero.get("stage"), bool):
+        found["stage"] = zero["stage"]
+    bucket = zero.get("reduce_bucket_size")
+    if bucket is not None:
+        if bucket == "auto":
+            found["reduce_bucket_size"] = "auto"
+        elif isinstance(bucket, (int, float)) and not isinstance(bucket, bool) and bucket >= 1 and bucket == int(bucket):
+            found["reduce_bucket_size"] = int(bucket)
+        else:
+            raise UsageError(f"`zero_optimization.reduce_bucket_size` in the DeepSpeed config {path} is {bucket!r}: "
+                             "DeepSpeed takes a number of elements (its default is 500000000) or \"auto\" under Accelerate.")
+    if isinstance(zero.get("overlap_comm"), bool):
+        found["overlap_comm"] = zero["overlap_comm"]
+    devices = {name: str((zero.get(name) or {}).get("device") or "none").lower() if isinstance(zero.get(name), dict) else "none"
+               for name in ("offload_optimizer", "offload_param")}
+    if devices["offload_param"] not in ("none", "auto"):
+        found["offload"] = "optimizer+params"
+    elif devices["offload_optimizer"] not in ("none", "auto"):
+        found["offload"] = "optimizer"
+    return found
+
+
+def _reduce_buckets(options: EstimateOptions, stage: int, b: int) -> MemoryItem:
+    """ZeRO's reduce bucket(s): `reduce_bucket_size` elements of the weights' dtype each, whatever the model's size;
+    two for ZeRO-1/2 under `overlap_comm` (stage_1_and_2.py `setup_buckets`), one for ZeRO-3 (stage3.py)."""
+    size = options.reduce_bucket_size if isinstance(options.reduce_bucket_size, int) else DS_REDUCE_BUCKET
+    overlap = options.overlap_comm if options.overlap_comm is not None else stage == 3
+    count = 2 if overlap and stage < 3 else 1
+    where = "DeepSpeed's default" if options.reduce_bucket_size is None else "the DeepSpeed config's"
+    return MemoryItem.of("communication_buffers", "Communication buffers", count * b * size,
+                         f"ZeRO reduce bucket{'s: 2 x' if count == 2 else ':'} {b} B x reduce_bucket_size ({size:,} elements, "
+                         f"{where}; allocated whole){' (overlap_comm)' if count == 2 else ''}")
 
 
 def _fsdp(profile: ModelProfile, options: EstimateOptions, opt: tuple[float, str], per_machine: int, s: int) -> _Layout:
@@ -262,7 +327,8 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     device.append(_loop_outputs(profile.activations, options))
 
     by_key = {item.key: item.bytes for item in device}
-    resident = sum(by_key.get(k, 0) for k in ("parameters", "optimizer_states", "gathered_layers", "communication_buffers"))
+    resident = sum(by_key.get(k, 0) for k in ("parameters", "optimizer_states", "gathered_layers", "kept_gathered",
+                                               "communication_buffers"))
     forward_backward = by_key["activations"] + by_key["backward_temporaries"]
     last_block, where = _block_phases(profile, options, by_key["gradients"], keeps_casts=strategy == "ddp" and mp)
     if last_block > forward_backward:

@@ -7,6 +7,7 @@ why. The pipeline flow uses the same keys as its Prefect cache keys.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,7 @@ def estimate_options(request: PipelineRequest, options):
     """The memory layout this launch will use: strategy, processes, precision, offload."""
     from prefect_accelerate.memory.models import EstimateOptions
 
-    strategy, offload = "ddp", "none"
+    strategy, offload, zero = "ddp", "none", {}
     if options.use_deepspeed:
         from prefect_accelerate.launchers.engines.deepspeed.check import settings_from_options
 
@@ -106,6 +107,13 @@ def estimate_options(request: PipelineRequest, options):
             offload = "optimizer+params"
         elif str(settings.get("offload_optimizer_device") or "none").lower() not in ("none", ""):
             offload = "optimizer"
+        if options.deepspeed_config_file:
+            from prefect_accelerate.memory.strategies import deepspeed_json_settings
+
+            try:
+                zero = deepspeed_json_settings(os.path.join(request.cwd or os.getcwd(), str(options.deepspeed_config_file)))
+            except PrefectAccelerateError:
+                zero = {}  # an unreadable file is the deepspeed-check step's finding, with its own message
     elif options.use_fsdp:
         if str(options.fsdp_version).strip() == "2":
             strategy = "fsdp_full_shard" if as_bool(options.fsdp_reshard_after_forward) else "fsdp_shard_grad_op"
@@ -122,6 +130,7 @@ def estimate_options(request: PipelineRequest, options):
         num_processes=int(options.num_processes), num_machines=int(options.num_machines), offload=offload,
         optimizer=memory.optimizer, mixed_precision="bf16" if precision == "fp8" else precision,
         gradient_checkpointing=memory.gradient_checkpointing, batch_size=memory.batch_size, seq_len=memory.seq_len,
+        reduce_bucket_size=zero.get("reduce_bucket_size"), overlap_comm=zero.get("overlap_comm"),
     )
 
 
