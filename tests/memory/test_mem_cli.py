@@ -192,3 +192,67 @@ def test_a_config_the_models_own_constructor_rejects_is_bad_input_not_a_tracebac
     assert "prefect_accelerate/" not in out + err  # no frame of ours
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: ") and str(tmp_path) in last and "Error" in last
+
+
+def _deepspeed_json(folder, **zero):
+    path = folder / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": zero}))
+    return path
+
+
+def _item(payload, key):
+    return next(item for item in payload["estimate"]["breakdown"]["device_items"] if item["key"] == key)
+
+
+def test_the_deepspeed_config_gives_the_stage_and_the_reduce_buckets(run_cli, zoo, tmp_path):
+    """`--deepspeed_config_file`: the stage when --strategy is not given; "auto" is hidden_size squared (Accelerate
+    fills it in so); overlap_comm doubles ZeRO-1/2's bucket; DeepSpeed's default is 5e8 elements whatever the size."""
+    hidden = 64  # tiny-llama's hidden_size
+    ds = _deepspeed_json(tmp_path, stage=2, reduce_bucket_size="auto", overlap_comm=True)
+    code, out, _ = run_cli(zoo["tiny-llama"], "--deepspeed_config_file", ds, "--mixed_precision", "bf16", "--json")
+    payload = json.loads(out)
+    assert code == 0 and payload["estimate"]["breakdown"]["strategy"] == "zero2"
+    assert _item(payload, "communication_buffers")["bytes"] == 2 * 2 * hidden * hidden
+    ds = _deepspeed_json(tmp_path, stage=3, reduce_bucket_size=2e6, overlap_comm=True)
+    payload = json.loads(run_cli(zoo["tiny-llama"], "--deepspeed_config_file", ds, "--json")[1])
+    assert payload["estimate"]["breakdown"]["strategy"] == "zero3"
+    assert _item(payload, "communication_buffers")["bytes"] == 4 * 2_000_000  # ZeRO-3 keeps one, overlap or not
+    payload = json.loads(run_cli(zoo["tiny-llama"], "--strategy", "zero1", "--json")[1])
+    assert _item(payload, "communication_buffers")["bytes"] == 4 * 500_000_000
+
+
+@pytest.mark.parametrize("zero,argv,message", [
+    ({"stage": 2}, ["--strategy", "zero3"], "disagrees with `zero_optimization.stage: 2`"),
+    ({"reduce_bucket_size": "big"}, [], "`zero_optimization.reduce_bucket_size`"),
+    ({"reduce_bucket_size": -5}, [], "`zero_optimization.reduce_bucket_size`"),
+    (None, [], "is not JSON"),
+])
+def test_a_bad_deepspeed_config_is_one_paragraph_naming_the_file_and_field(run_cli, zoo, tmp_path, zero, argv, message):
+    ds = _deepspeed_json(tmp_path, **zero) if zero is not None else tmp_path / "ds.json"
+    if zero is None:
+        ds.write_text("{not json")
+    code, _, err = run_cli(zoo["tiny-llama"], "--deepspeed_config_file", ds, *argv)
+    assert code == 2 and message in err and str(ds) in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_the_pipelines_memory_gate_takes_the_launchs_deepspeed_json(zoo, tmp_path):
+    """The gate sizes the launch it guards: the reduce buckets of the DeepSpeed JSON the launch names, and an edit of
+    that JSON re-runs the gate (its layout is part of the step's key)."""
+    from prefect_accelerate.pipeline.graph import build_graph, estimate_options, launch_options
+    from prefect_accelerate.pipeline.models import PipelineRequest
+
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    ds = _deepspeed_json(tmp_path, stage=1, reduce_bucket_size=123456, overlap_comm=True)
+
+    def request():
+        return PipelineRequest(script=str(script), model=str(zoo["tiny-llama"]), cwd=str(tmp_path),
+                               launch_flags={"use_deepspeed": True, "deepspeed_config_file": "ds.json", "num_processes": 2,
+                                             "mixed_precision": "no"})
+
+    layout = estimate_options(request(), launch_options(request()))
+    assert (layout.strategy, layout.reduce_bucket_size, layout.overlap_comm) == ("zero1", 123456, True)
+    key = next(step.key for step in build_graph(request()).steps if step.name == "memory")
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 1, "reduce_bucket_size": 654321}}))
+    assert next(step.key for step in build_graph(request()).steps if step.name == "memory") != key
