@@ -97,15 +97,32 @@ def tiny_config(model_type: str, architecture: str, depth: int = 2):  # noqa: AN
     return cls(**{k: v for k, v in sizes.items() if k in accepted}, architectures=[architecture])
 
 
+def _written(model_type: str, architecture: str, depth: int, prefix: str) -> tuple[Path | None, list[dict]]:
+    """The family's tiny config saved in a fresh folder; or no folder and the skip row, when the family's config
+    needs more than the size fields."""
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=f"{prefix}-{model_type}-"))
+        tiny_config(model_type, architecture, depth).save_pretrained(folder)
+    except Exception as error:  # noqa: BLE001 - reported as the family's row
+        return None, [{"family": model_type, "variant": "-", "skipped": f"config: {type(error).__name__}: {str(error)[:160]}"}]
+    return folder, []
+
+
+def _failed(row: dict, error: Exception, where: str = "") -> None:
+    """An estimate that raised: a skip when transformers itself cannot build the config, else a finding."""
+    if str(error).startswith("Building"):
+        row["skipped"] = f"build: {str(error)[:200]}"
+    else:
+        row["estimate_error"] = f"{where}{type(error).__name__}: {str(error)[:200]}"
+
+
 def shallow_against_full(model_type: str, architecture: str, depth: int) -> list[dict]:
     """In the child: the estimate from the shallow trace over the one from the full trace, per variant."""
     from prefect_accelerate.memory import EstimateOptions, depth as stacks, estimate
 
-    try:
-        folder = Path(tempfile.mkdtemp(prefix=f"deep-{model_type}-"))
-        tiny_config(model_type, architecture, depth).save_pretrained(folder)
-    except Exception as error:  # noqa: BLE001 - the family's config needs more than the size fields
-        return [{"family": model_type, "variant": "-", "skipped": f"config: {type(error).__name__}: {str(error)[:160]}"}]
+    folder, skipped = _written(model_type, architecture, depth, "deep")
+    if folder is None:
+        return skipped
     rows = []
     for variant, (precision, checkpointing) in VARIANTS.items():
         row: dict = {"family": model_type, "variant": variant, "architecture": architecture, "depth": depth}
@@ -122,10 +139,7 @@ def shallow_against_full(model_type: str, architecture: str, depth: int) -> list
                     break
                 figures.append((result.breakdown.device_total_bytes, acts.note))
             except Exception as error:  # noqa: BLE001 - a finding: report it
-                if str(error).startswith("Building"):  # transformers itself cannot build this config
-                    row["skipped"] = f"build: {str(error)[:200]}"
-                else:
-                    row["estimate_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                _failed(row, error)
                 break
         stacks.SHALLOW_FROM = 8
         if len(figures) == 2:
@@ -142,11 +156,9 @@ def cuda_against_cpu(model_type: str, architecture: str, depth: int) -> list[dic
     from prefect_accelerate.memory import EstimateOptions, estimate
     from prefect_accelerate.memory.fit import unmodelled_paths
 
-    try:
-        folder = Path(tempfile.mkdtemp(prefix=f"cuda-{model_type}-"))
-        tiny_config(model_type, architecture, depth).save_pretrained(folder)
-    except Exception as error:  # noqa: BLE001 - the family's config needs more than the size fields
-        return [{"family": model_type, "variant": "-", "skipped": f"config: {type(error).__name__}: {str(error)[:160]}"}]
+    folder, skipped = _written(model_type, architecture, depth, "cuda")
+    if folder is None:
+        return skipped
     rows = []
     for variant, (precision, checkpointing) in VARIANTS.items():
         row: dict = {"family": model_type, "variant": variant, "architecture": architecture, "blocks": depth}
@@ -158,10 +170,7 @@ def cuda_against_cpu(model_type: str, architecture: str, depth: int) -> list[dic
                     cuda_capability="9.0" if target == "cuda" else None, mixed_precision=precision,
                     gradient_checkpointing=checkpointing))
             except Exception as error:  # noqa: BLE001 - a finding: report it
-                if str(error).startswith("Building"):  # transformers itself cannot build this config
-                    row["skipped"] = f"build: {str(error)[:200]}"
-                else:
-                    row["estimate_error"] = f"{target}: {type(error).__name__}: {str(error)[:200]}"
+                _failed(row, error, f"{target}: ")
                 break
             acts = result.profile.activations
             row[f"{target}_activations"] = acts.method if acts is not None else "none"
@@ -185,11 +194,9 @@ def run_family(model_type: str, architecture: str, depth: int = 2) -> list[dict]
     from prefect_accelerate.memory.probe import cpu_training_peak
 
     rows = []
-    try:
-        folder = Path(tempfile.mkdtemp(prefix=f"family-{model_type}-"))
-        tiny_config(model_type, architecture, depth).save_pretrained(folder)
-    except Exception as error:  # noqa: BLE001 - the family's config needs more than the size fields
-        return [{"family": model_type, "variant": "-", "skipped": f"config: {type(error).__name__}: {str(error)[:160]}"}]
+    folder, skipped = _written(model_type, architecture, depth, "family")
+    if folder is None:
+        return skipped
     for variant, (precision, checkpointing) in VARIANTS.items():
         row: dict = {"family": model_type, "variant": variant, "architecture": architecture, "blocks": depth}
         try:
