@@ -167,7 +167,10 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
         elif stage == 2:
             grads = MemoryItem.of("gradients", "Gradients", (b + 4) * p / s, f"({b} + 4) B x P / S (partitioned)")
         else:
-            grads = MemoryItem.of("gradients", "Gradients", 4 * p / s, "4 B x P / S fp32 gradient partition")
+            # one flat buffer, allocated when ZeRO-3 starts and kept (stage3.py, `grad_partitions_flat_buffer`), in the
+            # gradient-accumulation dtype: the weights' unless the config says otherwise; resident (device_breakdown)
+            grads = MemoryItem.of("gradients", "Gradients", b * p / s,
+                                  f"{b} B x P / S: the flat gradient partition ZeRO-3 allocates at start-up and keeps")
         states = MemoryItem.of("optimizer_states", "Optimizer states", 4 * p / s + opt[0] / s, f"(4 B fp32 master + {opt[1]}) / S")
     device = [params, grads, states]
     if stage == 3:
@@ -181,6 +184,10 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
             "backward: min(P, 5e8 + a block), less the largest module counted above"))
     local = min(p / s, DS_SUB_GROUP) if stage == 3 else p / s  # ZeRO-3 steps one sub-group at a time
     step, step_formula = (0, "optimizer runs on CPU") if offload != "none" else _step_temporary(profile, options.optimizer, local)
+    if stage == 3 and offload == "none":
+        # the step flattens a sub-group's gradient partitions into an fp32 copy for the optimizer (stage3.py,
+        # `_prepare_fp32_grad_for_sub_group`), freed after that sub-group's step
+        step, step_formula = step + 4 * local, step_formula + " + 4 B x a sub-group's gradients (fp32 copy for the step)"
     notes = ["DeepSpeed keeps 16-bit weights for compute and an fp32 master copy with the optimizer."] if b == 2 else []
     return _Layout(
         device=device,
@@ -327,10 +334,13 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     device.append(_loop_outputs(profile.activations, options))
 
     by_key = {item.key: item.bytes for item in device}
+    # ZeRO-3 keeps its gradient partitions from start-up; every other layout makes its gradients in backward
+    kept_gradients = strategy == "zero3" and options.offload == "none"
     resident = sum(by_key.get(k, 0) for k in ("parameters", "optimizer_states", "gathered_layers", "kept_gathered",
-                                               "communication_buffers"))
+                                               "communication_buffers", *(["gradients"] if kept_gradients else [])))
+    made_gradients = 0 if kept_gradients else by_key["gradients"]
     forward_backward = by_key["activations"] + by_key["backward_temporaries"]
-    last_block, where = _block_phases(profile, options, by_key["gradients"], keeps_casts=strategy == "ddp" and mp)
+    last_block, where = _block_phases(profile, options, made_gradients, keeps_casts=strategy == "ddp" and mp)
     if last_block > forward_backward:
         blocks = len(profile.activations.per_layer_bytes)
         held = "recomputed" if options.gradient_checkpointing else "its saved tensors"
@@ -341,7 +351,7 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
             notes.append(f"The peak of backward comes in the backward of block {where + 1} of {blocks} ({held}), with "
                          f"the saved tensors of the blocks before it and the gradients of those after it "
                          f"({human_bytes(last_block)} besides the resident states).")
-    step = by_key["gradients"] + by_key["step_temporaries"] + by_key["loop_outputs"]
+    step = made_gradients + by_key["step_temporaries"] + by_key["loop_outputs"]
     forward = _forward_phase(profile.activations, options) + by_key["loop_outputs"]
     if forward > max(forward_backward, last_block, step):
         notes.append(f"The peak comes during the forward: its temporaries of the moment outgrow what backward holds "
