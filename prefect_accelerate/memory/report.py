@@ -46,9 +46,15 @@ def render_breakdown(b: DeviceBreakdown, estimate: MemoryEstimate | None = None)
     width = max(len(item.label) for item in [*b.device_items, *b.cpu_items])
     for item in b.device_items:
         lines.append(f"  {item.label:<{width}}  {item.human:>11}  {item.formula}")
-    lines.append(f"  {'Total per device':<{width}}  {b.device_total:>11}  peak: parameters + optimizer states + gathered layers + "
-                 "communication buffers + max(activations + backward temporaries, gradients + optimizer step temporaries + "
-                 "outputs kept through the step); live tensors, as torch.cuda.max_memory_allocated counts them")
+    # ZeRO-3 keeps its gradient partition from start-up (strategies.device_breakdown); the others make it in backward
+    kept = b.strategy == "zero3" and b.offload == "none"
+    resident = " + ".join(item.label.lower() for item in b.device_items
+                          if item.key in ("parameters", "optimizer_states", "gathered_layers", "kept_gathered",
+                                          "communication_buffers", *(("gradients",) if kept else ())))
+    step = "optimizer step temporaries" if kept else "gradients + optimizer step temporaries"
+    lines.append(f"  {'Total per device':<{width}}  {b.device_total:>11}  peak: {resident} + max(activations + backward "
+                 f"temporaries, {step} + outputs kept through the step); live tensors, as "
+                 "torch.cuda.max_memory_allocated counts them")
     lines.append(f"  {'All items added up':<{width}}  {human_bytes(b.all_items_bytes):>11}  an upper bound")
     lines.append(f"CPU memory per machine: {b.cpu_per_machine}")
     for item in b.cpu_items:
