@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -182,15 +181,16 @@ def zero_rank_peak(folder: str, layout: str, precision: str, bucket: str = "defa
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from prefect_accelerate.launchers.ports import rendezvous_port
+
+    return rendezvous_port("127.0.0.1")
 
 
 def launch(folder: Path, layout: str, precision: str, zero: tuple[str, str] = ("default", "default")) -> list[int]:
     """One run of the layout under torch.distributed.run; the per-rank peaks."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PROCESSES),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--child", str(folder), layout, precision, *zero]
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--child", str(folder), layout, precision,
+               *(zero if layout.startswith("zero") else ())]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"rank"')]

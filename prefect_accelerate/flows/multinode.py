@@ -86,10 +86,11 @@ def _multinode_flow_run_name() -> str:
 
 
 def pick_free_port() -> int:
-    """A TCP port free on every interface of this machine (torchrun's store listens on all of them)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on every interface of this machine (torchrun's store listens on all of them), from below the
+    kernel's ephemeral range (launchers/host.py, `rendezvous_port`)."""
+    from prefect_accelerate.launchers.ports import rendezvous_port
+
+    return rendezvous_port("")
 
 
 def _publish_node_result(request: NodeLaunchRequest, result: LaunchResult | None, error: BaseException | None = None) -> None:

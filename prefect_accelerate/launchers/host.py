@@ -12,6 +12,9 @@ import os
 import shutil
 import socket
 import subprocess
+from pathlib import Path
+
+from prefect_accelerate.launchers.ports import rendezvous_port
 from dataclasses import dataclass, field
 
 
@@ -104,9 +107,7 @@ class HostProbe:
             return sock.connect_ex((host, port)) == 0
 
     def free_port(self) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            return int(sock.getsockname()[1])
+        return rendezvous_port()
 
     def which(self, program: str) -> str | None:
         return shutil.which(program)
@@ -131,6 +132,7 @@ class HostProbe:
         import sys
 
         return sys.executable
+
 
 
 @dataclass

@@ -205,6 +205,14 @@ def node_script(plan: LaunchPlan, argv: list[str], cwd: str, run_dir: str) -> st
     return "\n".join([*lines, *launch_lines(plan, argv, cwd, run_dir), ""])
 
 
+def _port_program() -> str:
+    import inspect
+
+    from prefect_accelerate.launchers import ports
+
+    return inspect.getsource(ports)
+
+
 def batch_script(settings: SlurmSettings, machines: int, job_name: str, run_dir: str, python: str, step_lines: list[str],
                  tasks_per_node: int = 1) -> str:
     output = os.path.join(run_dir, OUTPUT_NAME)
@@ -216,7 +224,13 @@ def batch_script(settings: SlurmSettings, machines: int, job_name: str, run_dir:
         # node names need not resolve (NodeAddr may differ from NodeName): ask Slurm for the address
         "PA_HEAD_ADDR=$(scontrol show node \"$PA_HEAD_NODE\" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p' | head -n 1)",
         'PA_HEAD_ADDR=${PA_HEAD_ADDR:-$PA_HEAD_NODE}',
-        f"PA_PORT=$({shlex.quote(python)} -c 'import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])')",
+        # picked on the head node, from below its kernel's ephemeral range: launchers/ports.py's own source, run by
+        # the job's Python (the package need not be installed where the job runs)
+        f"PA_PORT=$({shlex.quote(python)} - <<'PA_PORT_PY'",
+        *_port_program().splitlines(),
+        "print(rendezvous_port())",
+        "PA_PORT_PY",
+        ")",
         "export PA_HEAD_ADDR PA_PORT",
         'echo "[prefect-accelerate] job $SLURM_JOB_ID on $SLURM_JOB_NODELIST; head node $PA_HEAD_NODE at $PA_HEAD_ADDR:$PA_PORT"',
         *step_lines,
