@@ -285,9 +285,10 @@ def _port_free(port: int) -> bool:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    # the server binds it seconds later, in its own process: from below the ephemeral range (launchers/ports.py)
+    from prefect_accelerate.launchers.ports import rendezvous_port
+
+    return rendezvous_port("127.0.0.1")
 
 
 def _log_tail(home: Path, lines: int = 8) -> str:
