@@ -27,12 +27,20 @@ def _layouts(out, *layouts, precision="no"):
     return rows
 
 
-def test_each_ranks_real_peak_under_ddp_and_fsdp_is_within_ten_percent_of_the_estimate(tmp_path):
+def _held_to_the_estimate(layout, row):
+    """The lowest rank's peak within 5% of the estimate (what the layout holds), and no rank more than 15% over it:
+    gloo's threads free some block-sized gradient buffers late, so a rank of some runs holds up to three blocks'
+    worth more for a moment (docs/memory.md, "On CPU: the real process layout"); a modelling error shows in both."""
+    peaks = row["rank_peaks"]
+    assert len(peaks) == 2
+    assert 0.95 <= row["estimate"] / min(peaks) <= 1.05, (layout, row)
+    assert row["estimate"] / max(peaks) >= 1 / 1.15, (layout, row)
+
+
+def test_each_ranks_real_peak_under_ddp_and_fsdp_is_held_to_the_estimate(tmp_path):
     rows = _layouts(tmp_path / "sharded.jsonl", "ddp", "fsdp_full_shard")
     for layout, row in rows.items():
-        assert len(row["rank_peaks"]) == 2
-        for peak in row["rank_peaks"]:
-            assert 0.90 <= row["estimate"] / peak <= 1.10, (layout, row)
+        _held_to_the_estimate(layout, row)
     # sharding saves what the estimate says it saves, in the real run too
     assert max(rows["fsdp_full_shard"]["rank_peaks"]) < min(rows["ddp"]["rank_peaks"])
     assert rows["fsdp_full_shard"]["estimate"] < rows["ddp"]["estimate"]
@@ -42,7 +50,5 @@ def test_deepspeeds_zero2_holds_its_whole_reduce_bucket_on_each_rank_as_estimate
     """DeepSpeed allocates its 5e8-element reduce bucket whole: a 3M-parameter model needs 1 GB per rank in bf16
     (the estimate said 0.06 GB while it counted min(P, 5e8))."""
     row = _layouts(tmp_path / "zero.jsonl", "zero2", precision="bf16")["zero2"]
-    assert len(row["rank_peaks"]) == 2
-    for peak in row["rank_peaks"]:
-        assert peak > 10**9  # the bucket: 5e8 x 2 B
-        assert 0.90 <= row["estimate"] / peak <= 1.10, row
+    assert all(peak > 10**9 for peak in row["rank_peaks"])  # the bucket: 5e8 x 2 B
+    _held_to_the_estimate("zero2", row)
