@@ -101,11 +101,11 @@ def options_from_args(args: argparse.Namespace):  # noqa: ANN201 - EstimateOptio
             raise UsageError(f"--{name} must be at least 1, got {value}.")
     strategy, offload, zero = (args.strategy or "ddp") if wants_layout else None, args.offload, {}
     if getattr(args, "deepspeed_config_file", None):
-        from prefect_accelerate.memory.strategies import deepspeed_json_settings
+        from prefect_accelerate.memory.strategies import ZERO_STAGE_STRATEGY, deepspeed_json_settings
 
         zero = deepspeed_json_settings(args.deepspeed_config_file)
         stage = zero.get("stage")
-        named = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}.get(stage) if stage is not None else None
+        named = ZERO_STAGE_STRATEGY.get(stage) if stage is not None else None
         if args.strategy is None:
             strategy = named or "zero2"  # Accelerate's DeepSpeed plugin default stage
         elif named is not None and args.strategy != named:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect_accelerate.memory.models import DeviceBreakdown, FitVerdict, MemoryEstimate
+from prefect_accelerate.memory.strategies import resident_keys
 from prefect_accelerate.memory.table import render_table
 from prefect_accelerate.memory.units import human_bytes
 
@@ -46,12 +47,9 @@ def render_breakdown(b: DeviceBreakdown, estimate: MemoryEstimate | None = None)
     width = max(len(item.label) for item in [*b.device_items, *b.cpu_items])
     for item in b.device_items:
         lines.append(f"  {item.label:<{width}}  {item.human:>11}  {item.formula}")
-    # ZeRO-3 keeps its gradient partition from start-up (strategies.device_breakdown); the others make it in backward
-    kept = b.strategy == "zero3" and b.offload == "none"
-    resident = " + ".join(item.label.lower() for item in b.device_items
-                          if item.key in ("parameters", "optimizer_states", "gathered_layers", "kept_gathered",
-                                          "communication_buffers", *(("gradients",) if kept else ())))
-    step = "optimizer step temporaries" if kept else "gradients + optimizer step temporaries"
+    held = resident_keys(b.strategy, b.offload)
+    resident = " + ".join(item.label.lower() for item in b.device_items if item.key in held)
+    step = "optimizer step temporaries" if "gradients" in held else "gradients + optimizer step temporaries"
     lines.append(f"  {'Total per device':<{width}}  {b.device_total:>11}  peak: {resident} + max(activations + backward "
                  f"temporaries, {step} + outputs kept through the step); live tensors, as "
                  "torch.cuda.max_memory_allocated counts them")

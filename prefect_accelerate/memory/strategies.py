@@ -198,6 +198,25 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
     )
 
 
+#: DeepSpeed's ZeRO stage -> our strategy name (stage 0 is plain data parallel)
+ZERO_STAGE_STRATEGY = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+
+def offload_from_devices(param_device: Any, optimizer_device: Any) -> str:
+    """Our --offload from DeepSpeed's `offload_param` / `offload_optimizer` devices ("cpu", "nvme", "none", None)."""
+    def used(device: Any) -> bool:
+        return str(device or "none").lower() not in ("none", "", "auto")
+
+    return "optimizer+params" if used(param_device) else "optimizer" if used(optimizer_device) else "none"
+
+
+def resident_keys(strategy: str, offload: str) -> tuple[str, ...]:
+    """The device items held for the whole step. ZeRO-3 keeps its gradient partition from start-up (without
+    offload); every other layout makes its gradients in backward."""
+    keys = ("parameters", "optimizer_states", "gathered_layers", "kept_gathered", "communication_buffers")
+    return (*keys, "gradients") if strategy == "zero3" and offload == "none" else keys
+
+
 def deepspeed_json_settings(path: str) -> dict[str, Any]:
     """What a DeepSpeed JSON config says about the memory layout: ``stage``, ``offload`` (our name),
     ``reduce_bucket_size`` (elements, or "auto") and ``overlap_comm``; keys it leaves out, or sets to "auto"
@@ -231,12 +250,10 @@ def deepspeed_json_settings(path: str) -> dict[str, Any]:
                              "DeepSpeed takes a number of elements (its default is 500000000) or \"auto\" under Accelerate.")
     if isinstance(zero.get("overlap_comm"), bool):
         found["overlap_comm"] = zero["overlap_comm"]
-    devices = {name: str((zero.get(name) or {}).get("device") or "none").lower() if isinstance(zero.get(name), dict) else "none"
-               for name in ("offload_optimizer", "offload_param")}
-    if devices["offload_param"] not in ("none", "auto"):
-        found["offload"] = "optimizer+params"
-    elif devices["offload_optimizer"] not in ("none", "auto"):
-        found["offload"] = "optimizer"
+    devices = {name: zero[name].get("device") if isinstance(zero.get(name), dict) else None
+               for name in ("offload_param", "offload_optimizer")}
+    if any(device is not None for device in devices.values()):
+        found["offload"] = offload_from_devices(devices["offload_param"], devices["offload_optimizer"])
     return found
 
 
@@ -335,10 +352,9 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
 
     by_key = {item.key: item.bytes for item in device}
     # ZeRO-3 keeps its gradient partitions from start-up; every other layout makes its gradients in backward
-    kept_gradients = strategy == "zero3" and options.offload == "none"
-    resident = sum(by_key.get(k, 0) for k in ("parameters", "optimizer_states", "gathered_layers", "kept_gathered",
-                                               "communication_buffers", *(["gradients"] if kept_gradients else [])))
-    made_gradients = 0 if kept_gradients else by_key["gradients"]
+    held = resident_keys(strategy, options.offload)
+    resident = sum(by_key.get(k, 0) for k in held)
+    made_gradients = 0 if "gradients" in held else by_key["gradients"]
     forward_backward = by_key["activations"] + by_key["backward_temporaries"]
     last_block, where = _block_phases(profile, options, made_gradients, keeps_casts=strategy == "ddp" and mp)
     if last_block > forward_backward:

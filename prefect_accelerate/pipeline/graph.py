@@ -100,15 +100,12 @@ def estimate_options(request: PipelineRequest, options):
     if options.use_deepspeed:
         from prefect_accelerate.launchers.engines.deepspeed.check import settings_from_options
 
+        from prefect_accelerate.memory.strategies import ZERO_STAGE_STRATEGY, deepspeed_json_settings, offload_from_devices
+
         settings = settings_from_options(options, cwd=request.cwd)
-        stage = int(settings.get("zero_stage") or 0)
-        strategy = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}[stage]
-        if str(settings.get("offload_param_device") or "none").lower() not in ("none", ""):
-            offload = "optimizer+params"
-        elif str(settings.get("offload_optimizer_device") or "none").lower() not in ("none", ""):
-            offload = "optimizer"
+        strategy = ZERO_STAGE_STRATEGY[int(settings.get("zero_stage") or 0)]
+        offload = offload_from_devices(settings.get("offload_param_device"), settings.get("offload_optimizer_device"))
         if options.deepspeed_config_file:
-            from prefect_accelerate.memory.strategies import deepspeed_json_settings
 
             try:
                 zero = deepspeed_json_settings(os.path.join(request.cwd or os.getcwd(), str(options.deepspeed_config_file)))
