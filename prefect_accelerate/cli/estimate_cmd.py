@@ -93,6 +93,7 @@ def options_from_args(args: argparse.Namespace):  # noqa: ANN201 - EstimateOptio
     """Build EstimateOptions from parsed flags; any layout flag turns the breakdown on."""
     from prefect_accelerate.errors import UsageError
     from prefect_accelerate.memory.models import EstimateOptions
+    from prefect_accelerate.memory.strategies import DS_JSON_OPTIONS
 
     wants_layout = any(given(args, dest) for dest in _LAYOUT_DESTS)
     for name in ("num_processes", "num_machines", "batch_size", "seq_len"):
@@ -130,8 +131,7 @@ def options_from_args(args: argparse.Namespace):  # noqa: ANN201 - EstimateOptio
         seq_len=args.seq_len,
         attn_implementation=args.attn_implementation,
         cuda_capability=_capability(args.cuda_capability),
-        reduce_bucket_size=zero.get("reduce_bucket_size"),
-        overlap_comm=zero.get("overlap_comm"),
+        **{name: zero[name] for name in DS_JSON_OPTIONS if name in zero},
     )
 
 

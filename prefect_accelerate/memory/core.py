@@ -72,27 +72,33 @@ def estimate(model: str | ModelSource, options: EstimateOptions | None = None, *
                 profile_cache.store(key, {"table": [measured_class, total, largest, names],
                                           "profile": profile.model_dump(mode="json") if profile is not None else None})
         table = build_table(source.name, measured_class, total, largest, names, options.dtypes)
-    if options.reduce_bucket_size == "auto":
-        options = options.model_copy(update={"reduce_bucket_size": _auto_bucket(source)})
+    autos = [name for name in ("reduce_bucket_size", "prefetch_bucket_size") if getattr(options, name) == "auto"]
+    if autos:
+        hidden = _auto_hidden(source, autos)
+        # as Accelerate fills them in (Accelerator._prepare_deepspeed)
+        filled = {"reduce_bucket_size": hidden * hidden, "prefetch_bucket_size": int(0.9 * hidden * hidden)}
+        options = options.model_copy(update={name: filled[name] for name in autos})
     breakdown = device_breakdown(profile, options) if profile is not None else None
     return MemoryEstimate(model=source.name, source=source, options=options, table=table, profile=profile,
                           breakdown=breakdown, package_version=__version__)
 
 
-def _auto_bucket(source: ModelSource) -> int:
-    """A DeepSpeed `reduce_bucket_size` of "auto" as Accelerate fills it in (`Accelerator._prepare_deepspeed`):
-    the config's hidden_size squared, or the largest of its hidden_sizes; a model with neither is refused there."""
+def _auto_hidden(source: ModelSource, autos: list[str]) -> int:
+    """The hidden size Accelerate fills DeepSpeed's "auto" buckets from (`Accelerator._prepare_deepspeed`): the
+    config's hidden_size, or the largest of its hidden_sizes; a model with neither is refused there."""
+    from prefect_accelerate.memory.strategies import DS_JSON_ELEMENTS
+
     config = source.config or {}
     hidden = config.get("hidden_size")
     if not isinstance(hidden, int) and isinstance(config.get("hidden_sizes"), list) and config["hidden_sizes"]:
         hidden = max(config["hidden_sizes"])
     if not isinstance(hidden, int):
         raise UsageError(
-            f"The DeepSpeed config says `zero_optimization.reduce_bucket_size: auto`, which Accelerate fills in from "
-            f"the model config's `hidden_size` (or `hidden_sizes`), and the config of {source.name} has neither: "
-            "Accelerate would refuse this launch. Replace `auto` with a number of elements (DeepSpeed's default is "
-            "500000000).")
-    return hidden * hidden
+            f"The DeepSpeed config says `auto` for {', '.join(f'`zero_optimization.{DS_JSON_ELEMENTS[name][0][0]}`' for name in autos)}, which "
+            f"Accelerate fills in from the model config's `hidden_size` (or `hidden_sizes`), and the config of "
+            f"{source.name} has neither: Accelerate would refuse this launch. Replace `auto` with a number of elements "
+            "(DeepSpeed's defaults: reduce_bucket_size 500000000, stage3_prefetch_bucket_size 50000000).")
+    return hidden
 
 
 def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfile:

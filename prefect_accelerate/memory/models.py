@@ -71,6 +71,13 @@ class EstimateOptions(_Frozen):
     overlap_comm: bool | None = Field(
         None, description="DeepSpeed's `zero_optimization.overlap_comm` (ZeRO-1/2 then keep two reduce buckets); None: "
                           "DeepSpeed's default, on for ZeRO-3 only")
+    prefetch_bucket_size: int | Literal["auto"] | None = Field(
+        None, description="DeepSpeed's `zero_optimization.stage3_prefetch_bucket_size` (elements; 'auto': Accelerate fills "
+                          "in 0.9 x hidden_size squared); None: DeepSpeed's default, 5e7")
+    max_live_parameters: int | None = Field(
+        None, ge=0, description="DeepSpeed's `zero_optimization.stage3_max_live_parameters`; None: DeepSpeed's default, 1e9")
+    max_reuse_distance: int | None = Field(
+        None, ge=0, description="DeepSpeed's `zero_optimization.stage3_max_reuse_distance`; None: DeepSpeed's default, 1e9")
 
 
 class ModelSource(_Frozen):

@@ -35,6 +35,17 @@ DS_REDUCE_BUCKET = 500_000_000
 #: parameters of the blocks behind it, so from the second step on the last half of this window of blocks stays
 #: gathered from its forward to its backward (every weight of a model under about 5e8 parameters).
 DS_REUSE_DISTANCE = 1_000_000_000
+#: DeepSpeed's default `stage3_prefetch_bucket_size` (elements). ZeRO-3 all-gathers the parameters of the next
+#: modules of its trace, up to this many elements, as one coalesced flat buffer (partition_parameters.py
+#: `_all_gather_dtype`); when the first of them is needed, `wait` copies every one of them out of it
+#: (`AllGatherCoalescedHandle.wait`, a `torch.cat` per parameter), but the handle, and with it the flat buffer,
+#: stays in the in-flight registry until the last parameter of that bucket is fetched
+#: (partitioned_param_coordinator.py, `_fetch_sub_module_impl`). So while a bucket is being used its weights
+#: are held twice: gathered, and in the flat buffer. The prefetch loop stops once it reaches the bucket size,
+#: so a bucket can pass it by one parameter; `stage3_max_live_parameters` less what is gathered caps it.
+DS_PREFETCH_BUCKET = 50_000_000
+#: DeepSpeed's default `stage3_max_live_parameters` (elements).
+DS_MAX_LIVE = 1_000_000_000
 #: DeepSpeed's default ZeRO-3 `sub_group_size` (elements): the optimizer steps this much at a time.
 DS_SUB_GROUP = 1_000_000_000
 #: DeepSpeed's estimators budget 1.5x for CPU-side buffers; we use the same factor to agree with them.
@@ -176,12 +187,22 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
     if stage == 3:
         device.append(MemoryItem.of("gathered_layers", "Gathered layers", 2 * b * profile.largest_module_parameters,
                                     f"2 x {b} B x the largest module's parameters (weights + gradients while gathered)"))
-        # DeepSpeed's own estimator leaves this out; the run holds it (bench/memory_sharded_cpu.py)
-        kept = min(p_all, DS_REUSE_DISTANCE // 2 + max(profile.largest_unit_parameters, profile.largest_module_parameters))
+        # DeepSpeed's own estimator leaves these out; the run holds them (bench/memory_sharded_cpu.py)
+        reuse = DS_REUSE_DISTANCE if options.max_reuse_distance is None else options.max_reuse_distance
+        kept = min(p_all, reuse // 2 + max(profile.largest_unit_parameters, profile.largest_module_parameters))
         device.append(MemoryItem.of(
             "kept_gathered", "Weights kept gathered", b * max(kept - profile.largest_module_parameters, 0),
-            f"{b} B x the blocks within stage3_max_reuse_distance (1e9) of their reuse, gathered from forward to "
-            "backward: min(P, 5e8 + a block), less the largest module counted above"))
+            f"{b} B x the blocks within stage3_max_reuse_distance ({reuse:.0e}) of their reuse, gathered from forward "
+            f"to backward: min(P, {reuse // 2:.0e} + a block), less the largest module counted above"))
+        device.append(_prefetch_buffer(profile, options, b))
+    else:
+        # reducing a bucket, ZeRO-1/2 flatten its gradient slices into a new tensor first (stage_1_and_2.py
+        # `allreduce_and_scatter` -> `allreduce_bucket`: `self.flatten(bucket)`), on every rank, at each flush of
+        # the bucket during backward and at its end: a copy of up to one bucket's contents
+        size = options.reduce_bucket_size if isinstance(options.reduce_bucket_size, int) else DS_REDUCE_BUCKET
+        device.append(MemoryItem.of(
+            "reduction_copy", "Bucket reduction copy", b * min(size, p),
+            f"{b} B x min(reduce_bucket_size, P): the flattened copy of a bucket's gradients while it is reduced (backward)"))
     local = min(p / s, DS_SUB_GROUP) if stage == 3 else p / s  # ZeRO-3 steps one sub-group at a time
     step, step_formula = (0, "optimizer runs on CPU") if offload != "none" else _step_temporary(profile, options.optimizer, local)
     if stage == 3 and offload == "none":
@@ -217,10 +238,23 @@ def resident_keys(strategy: str, offload: str) -> tuple[str, ...]:
     return (*keys, "gradients") if strategy == "zero3" and offload == "none" else keys
 
 
+#: The element counts read from a DeepSpeed config: our option -> (its keys in `zero_optimization`, DeepSpeed's field
+#: name and alias (deepspeed/runtime/zero/config.py accepts both), the least value, DeepSpeed's default, whether
+#: Accelerate fills in "auto" from the model's hidden size (Accelerator._prepare_deepspeed)).
+DS_JSON_ELEMENTS: dict[str, tuple[tuple[str, ...], int, int, bool]] = {
+    "reduce_bucket_size": (("reduce_bucket_size",), 1, DS_REDUCE_BUCKET, True),
+    "prefetch_bucket_size": (("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 0, DS_PREFETCH_BUCKET, True),
+    "max_live_parameters": (("stage3_max_live_parameters", "max_live_parameters"), 0, DS_MAX_LIVE, False),
+    "max_reuse_distance": (("stage3_max_reuse_distance", "max_reuse_distance"), 0, DS_REUSE_DISTANCE, False),
+}
+#: The EstimateOptions fields a DeepSpeed config sets (besides the stage and offload)
+DS_JSON_OPTIONS = (*DS_JSON_ELEMENTS, "overlap_comm")
+
+
 def deepspeed_json_settings(path: str) -> dict[str, Any]:
-    """What a DeepSpeed JSON config says about the memory layout: ``stage``, ``offload`` (our name),
-    ``reduce_bucket_size`` (elements, or "auto") and ``overlap_comm``; keys it leaves out, or sets to "auto"
-    where Accelerate fills in something else, are absent. Raises UsageError naming the file and field."""
+    """What a DeepSpeed JSON config says about the memory layout: ``stage``, ``offload`` (our name), the element
+    counts of DS_JSON_ELEMENTS (or "auto" where Accelerate fills them in) and ``overlap_comm``; keys it leaves out
+    are absent. Raises UsageError naming the file and field."""
     import json
 
     try:
@@ -239,15 +273,19 @@ def deepspeed_json_settings(path: str) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if isinstance(zero.get("stage"), int) and not isinstance(zero.get("stage"), bool):
         found["stage"] = zero["stage"]
-    bucket = zero.get("reduce_bucket_size")
-    if bucket is not None:
-        if bucket == "auto":
-            found["reduce_bucket_size"] = "auto"
-        elif isinstance(bucket, (int, float)) and not isinstance(bucket, bool) and bucket >= 1 and bucket == int(bucket):
-            found["reduce_bucket_size"] = int(bucket)
+    for option, (names, least, default, auto) in DS_JSON_ELEMENTS.items():
+        key = next((name for name in names if zero.get(name) is not None), None)
+        if key is None:
+            continue
+        value = zero[key]
+        if value == "auto" and auto:
+            found[option] = "auto"
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value >= least and value == int(value):
+            found[option] = int(value)
         else:
-            raise UsageError(f"`zero_optimization.reduce_bucket_size` in the DeepSpeed config {path} is {bucket!r}: "
-                             "DeepSpeed takes a number of elements (its default is 500000000) or \"auto\" under Accelerate.")
+            filled = ' or "auto" under Accelerate' if auto else ' (Accelerate does not fill in "auto" here)'
+            raise UsageError(f"`zero_optimization.{key}` in the DeepSpeed config {path} is {value!r}: DeepSpeed takes a "
+                             f"whole number of elements, at least {least} (its default is {default}){filled}.")
     if isinstance(zero.get("overlap_comm"), bool):
         found["overlap_comm"] = zero["overlap_comm"]
     devices = {name: zero[name].get("device") if isinstance(zero.get(name), dict) else None
@@ -267,6 +305,23 @@ def _reduce_buckets(options: EstimateOptions, stage: int, b: int) -> MemoryItem:
     return MemoryItem.of("communication_buffers", "Communication buffers", count * b * size,
                          f"ZeRO reduce bucket{'s: 2 x' if count == 2 else ':'} {b} B x reduce_bucket_size ({size:,} elements, "
                          f"{where}; allocated whole){' (overlap_comm)' if count == 2 else ''}")
+
+
+def _prefetch_buffer(profile: ModelProfile, options: EstimateOptions, b: int) -> MemoryItem:
+    """ZeRO-3's in-flight prefetch bucket: a second copy of up to `stage3_prefetch_bucket_size` elements (plus the
+    one parameter that passes it) of weights, held with the gathered ones during forward and backward (see
+    DS_PREFETCH_BUCKET); none when prefetching is off (0). With the parameters offloaded the buffer is still made on
+    the device (each partition is copied up, then gathered)."""
+    size = options.prefetch_bucket_size if isinstance(options.prefetch_bucket_size, int) else DS_PREFETCH_BUCKET
+    live = DS_MAX_LIVE if options.max_live_parameters is None else options.max_live_parameters
+    if size == 0:
+        return MemoryItem.of("prefetch_buffer", "Prefetch bucket in flight", 0, "none (stage3_prefetch_bucket_size 0: no prefetch)")
+    held = min(profile.parameters, size + profile.largest_tensor_numel, live)
+    where = "DeepSpeed's default" if options.prefetch_bucket_size is None else "the DeepSpeed config's"
+    return MemoryItem.of(
+        "prefetch_buffer", "Prefetch bucket in flight", b * held,
+        f"{b} B x min(P, stage3_prefetch_bucket_size ({size:,} elements, {where}) + the largest weight, "
+        f"stage3_max_live_parameters): the coalesced all-gather buffer, kept until its last weight is used")
 
 
 def _fsdp(profile: ModelProfile, options: EstimateOptions, opt: tuple[float, str], per_machine: int, s: int) -> _Layout:
@@ -355,8 +410,12 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     held = resident_keys(strategy, options.offload)
     resident = sum(by_key.get(k, 0) for k in held)
     made_gradients = 0 if "gradients" in held else by_key["gradients"]
-    forward_backward = by_key["activations"] + by_key["backward_temporaries"]
+    # ZeRO-3's prefetch bucket lives through forward and backward, ZeRO-1/2's reduction copy through backward; neither
+    # at the optimizer step
+    in_flight, reducing = by_key.get("prefetch_buffer", 0), by_key.get("reduction_copy", 0)
+    forward_backward = by_key["activations"] + by_key["backward_temporaries"] + in_flight + reducing
     last_block, where = _block_phases(profile, options, made_gradients, keeps_casts=strategy == "ddp" and mp)
+    last_block += in_flight + reducing
     if last_block > forward_backward:
         blocks = len(profile.activations.per_layer_bytes)
         held = "recomputed" if options.gradient_checkpointing else "its saved tensors"
@@ -368,7 +427,7 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
                          f"the saved tensors of the blocks before it and the gradients of those after it "
                          f"({human_bytes(last_block)} besides the resident states).")
     step = made_gradients + by_key["step_temporaries"] + by_key["loop_outputs"]
-    forward = _forward_phase(profile.activations, options) + by_key["loop_outputs"]
+    forward = _forward_phase(profile.activations, options) + by_key["loop_outputs"] + in_flight
     if forward > max(forward_backward, last_block, step):
         notes.append(f"The peak comes during the forward: its temporaries of the moment outgrow what backward holds "
                      f"({human_bytes(forward)} besides the resident states, the previous step's outputs included).")

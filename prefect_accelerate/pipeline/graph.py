@@ -95,6 +95,7 @@ def launch_options(request: PipelineRequest, *, host=None):
 def estimate_options(request: PipelineRequest, options):
     """The memory layout this launch will use: strategy, processes, precision, offload."""
     from prefect_accelerate.memory.models import EstimateOptions
+    from prefect_accelerate.memory.strategies import DS_JSON_OPTIONS
 
     strategy, offload, zero = "ddp", "none", {}
     if options.use_deepspeed:
@@ -127,7 +128,7 @@ def estimate_options(request: PipelineRequest, options):
         num_processes=int(options.num_processes), num_machines=int(options.num_machines), offload=offload,
         optimizer=memory.optimizer, mixed_precision="bf16" if precision == "fp8" else precision,
         gradient_checkpointing=memory.gradient_checkpointing, batch_size=memory.batch_size, seq_len=memory.seq_len,
-        reduce_bucket_size=zero.get("reduce_bucket_size"), overlap_comm=zero.get("overlap_comm"),
+        **{name: zero[name] for name in DS_JSON_OPTIONS if name in zero},
     )
 
 

@@ -221,10 +221,34 @@ def test_the_deepspeed_config_gives_the_stage_and_the_reduce_buckets(run_cli, zo
     assert _item(payload, "communication_buffers")["bytes"] == 4 * 500_000_000
 
 
+def test_the_deepspeed_config_gives_zero3s_prefetch_and_reuse_settings(run_cli, zoo, tmp_path):
+    """ZeRO-3's prefetch bucket ("auto": 0.9 x hidden_size squared, as Accelerate fills it in; DeepSpeed's field name
+    works as well as its stage3_ alias), max_live_parameters capping it, and max_reuse_distance shrinking what stays
+    gathered, all read from the JSON."""
+    hidden = 64
+    ds = _deepspeed_json(tmp_path, stage=3, stage3_prefetch_bucket_size="auto")
+    payload = json.loads(run_cli(zoo["tiny-llama"], "--deepspeed_config_file", ds, "--json")[1])
+    profile = payload["estimate"]["profile"]
+    assert payload["estimate"]["options"]["prefetch_bucket_size"] == int(0.9 * hidden * hidden)
+    assert _item(payload, "prefetch_buffer")["bytes"] == 4 * min(profile["parameters"],
+                                                                int(0.9 * hidden * hidden) + profile["largest_tensor_numel"])
+    ds = _deepspeed_json(tmp_path, stage=3, prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+    payload = json.loads(run_cli(zoo["tiny-llama"], "--deepspeed_config_file", ds, "--json")[1])
+    assert _item(payload, "prefetch_buffer")["bytes"] == 0
+    profile = payload["estimate"]["profile"]
+    kept = min(profile["parameters"], max(profile["largest_unit_parameters"], profile["largest_module_parameters"]))
+    assert _item(payload, "kept_gathered")["bytes"] == 4 * (kept - profile["largest_module_parameters"])
+    ds = _deepspeed_json(tmp_path, stage=3, stage3_max_live_parameters=1000)
+    payload = json.loads(run_cli(zoo["tiny-llama"], "--deepspeed_config_file", ds, "--json")[1])
+    assert _item(payload, "prefetch_buffer")["bytes"] == 4 * 1000
+
+
 @pytest.mark.parametrize("zero,argv,message", [
     ({"stage": 2}, ["--strategy", "zero3"], "disagrees with `zero_optimization.stage: 2`"),
     ({"reduce_bucket_size": "big"}, [], "`zero_optimization.reduce_bucket_size`"),
     ({"reduce_bucket_size": -5}, [], "`zero_optimization.reduce_bucket_size`"),
+    ({"stage3_prefetch_bucket_size": 1.5}, [], "`zero_optimization.stage3_prefetch_bucket_size`"),
+    ({"stage3_max_live_parameters": "auto"}, [], "Accelerate does not fill in \"auto\" here"),
     (None, [], "is not JSON"),
 ])
 def test_a_bad_deepspeed_config_is_one_paragraph_naming_the_file_and_field(run_cli, zoo, tmp_path, zero, argv, message):
@@ -253,6 +277,13 @@ def test_the_pipelines_memory_gate_takes_the_launchs_deepspeed_json(zoo, tmp_pat
 
     layout = estimate_options(request(), launch_options(request()))
     assert (layout.strategy, layout.reduce_bucket_size, layout.overlap_comm) == ("zero1", 123456, True)
+    assert (layout.prefetch_bucket_size, layout.max_live_parameters, layout.max_reuse_distance) == (None, None, None)
     key = next(step.key for step in build_graph(request()).steps if step.name == "memory")
     ds.write_text(json.dumps({"zero_optimization": {"stage": 1, "reduce_bucket_size": 654321}}))
-    assert next(step.key for step in build_graph(request()).steps if step.name == "memory") != key
+    key2 = next(step.key for step in build_graph(request()).steps if step.name == "memory")
+    assert key2 != key
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": 654321,
+                                                    "stage3_prefetch_bucket_size": 777, "stage3_max_reuse_distance": 5}}))
+    layout = estimate_options(request(), launch_options(request()))
+    assert (layout.strategy, layout.prefetch_bucket_size, layout.max_reuse_distance) == ("zero3", 777, 5)
+    assert next(step.key for step in build_graph(request()).steps if step.name == "memory") not in (key, key2)

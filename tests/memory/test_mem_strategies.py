@@ -177,6 +177,45 @@ def test_zero3_keeps_the_weights_within_the_reuse_distance_gathered_and_no_more(
     assert all(item.key != "kept_gathered" for item in device_breakdown(profile(), layout("zero2", 8, 1)).device_items)
 
 
+def test_zero3_holds_its_prefetch_bucket_twice_through_forward_and_backward_but_not_at_the_step():
+    """The coalesced all-gather buffer of a prefetch bucket stays until its last weight is used, beside the weights
+    copied out of it: stage3_prefetch_bucket_size elements (5e7) plus the one weight that passes it, at most P, at
+    most stage3_max_live_parameters, none with prefetch off. It adds to forward and backward, not to the step."""
+    small = device_breakdown(profile(3_000_000, 250_000), layout("zero3", 2, 1))
+    assert small.item("prefetch_buffer").bytes == 2 * 3_000_000
+    big = profile(7_000_000_000, 500_000_000)
+    assert device_breakdown(big, layout("zero3", 8, 1)).item("prefetch_buffer").bytes == 2 * (50_000_000 + 500_000_000)
+    assert device_breakdown(big, layout("zero3", 8, 1, prefetch_bucket_size=10**6, max_live_parameters=2 * 10**8)
+                            ).item("prefetch_buffer").bytes == 2 * 2 * 10**8
+    off = device_breakdown(big, layout("zero3", 8, 1, "optimizer", prefetch_bucket_size=0))
+    on = device_breakdown(big, layout("zero3", 8, 1, "optimizer"))
+    assert off.item("prefetch_buffer").bytes == 0
+    # optimizer on CPU: no step on the device, so forward/backward is the peak and holds the bucket
+    assert on.device_total_bytes - off.device_total_bytes == on.item("prefetch_buffer").bytes
+    # on the device the step is the peak (no activations here): the bucket is gone by then
+    stepping = device_breakdown(big, layout("zero3", 8, 1))
+    assert stepping.device_total_bytes == device_breakdown(big, layout("zero3", 8, 1, prefetch_bucket_size=0)).device_total_bytes
+    assert all(item.key != "prefetch_buffer" for item in device_breakdown(big, layout("zero2", 8, 1)).device_items)
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_zero12_flatten_a_buckets_gradients_to_reduce_them_during_backward_only(stage):
+    """Reducing a bucket, ZeRO-1/2 flatten its gradient slices into a new tensor: up to one bucket's contents
+    (b x min(reduce_bucket_size, P)), on top of backward; gone by the step."""
+    small = device_breakdown(profile(3_000_000, 250_000), layout(stage, 2, 1))
+    assert small.item("reduction_copy").bytes == 2 * 3_000_000
+    big = profile(7_000_000_000, 500_000_000)
+    assert device_breakdown(big, layout(stage, 8, 1)).item("reduction_copy").bytes == 2 * 500_000_000
+    one, two = (device_breakdown(big, layout(stage, 8, 1, reduce_bucket_size=size)) for size in (10**6, 10**8))
+    assert two.item("reduction_copy").bytes == 2 * 10**8
+    # on the device the step is the peak (no activations here): only the resident bucket itself differs
+    assert (two.device_total_bytes - one.device_total_bytes
+            == two.item("communication_buffers").bytes - one.item("communication_buffers").bytes)
+    offloaded = device_breakdown(big, layout(stage, 8, 1, "optimizer"))  # no step on the device: backward is the peak
+    resident = sum(offloaded.item(key).bytes for key in ("parameters", "optimizer_states", "communication_buffers"))
+    assert offloaded.device_total_bytes == resident + offloaded.item("reduction_copy").bytes
+
+
 def test_zero3_keeps_its_gradient_partition_from_start_up_and_makes_the_fp32_copy_at_the_step():
     """The flat gradient partition (weights' dtype) is resident through forward, so it is part of every phase's
     peak; the step adds the fp32 copy of one sub-group (at most 1e9 elements) to the foreach temporary."""
