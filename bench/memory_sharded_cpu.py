@@ -17,8 +17,10 @@ Accelerate's loop under `torch.distributed.run` with 2 processes and gloo, wrapp
 
 Each rank measures its own peak with the probe's CPU allocator recorder (memory/probe.py), from after the
 model is wrapped (so the unsharded model each process builds first on CPU, which a GPU never holds, is not
-counted) plus the shards it keeps. Each layout runs `--repeats` times; the table gives the estimate, the
-lowest and highest per-rank peak, and both ratios. Gloo's collectives allocate on its own threads, so the
+counted) plus the shards it keeps, twice: whole, and without the blocks allocated inside a c10d collective
+op (gloo's own copies, which NCCL does not make in PyTorch's allocator). Each layout runs `--repeats` times;
+the table gives the estimate, the lowest and highest per-rank peak, both ratios, and the highest peak without
+gloo's copies with its ratio. Gloo's collectives allocate on its own threads, so the
 per-rank peak varies from run to run by a few units of one block's weights: that spread is printed, not
 smoothed. Nothing here passes or fails; no GPU is involved.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -72,7 +75,7 @@ def rank_peak(folder: str, layout: str, precision: str) -> dict:
     import transformers
 
     from prefect_accelerate.memory.measured import batch_for, train_step
-    from prefect_accelerate.memory.probe import allocation_peak, allocation_recorder
+    from prefect_accelerate.memory.probe import allocation_recorder
 
     dist.init_process_group("gloo")
     config = transformers.AutoConfig.from_pretrained(folder)
@@ -112,10 +115,48 @@ def rank_peak(folder: str, layout: str, precision: str) -> dict:
         for _ in range(STEPS):
             train_step(case, model, optimizer, inputs, "cpu", kept)
         del kept, optimizer
-    peak = allocation_peak(recorder) + kept_bytes
+    peaks = _peaks(recorder)
     rank = dist.get_rank()
     dist.destroy_process_group()
-    return {"rank": rank, "peak": int(peak)}
+    return {"rank": rank, **{name: value + kept_bytes for name, value in peaks.items()}}
+
+
+def _peaks(recorder, started: int | None = None) -> dict:
+    """The rank's allocator peak from ``started`` on (time.time_ns; None: from the start, with nothing held before),
+    and the same peak without the blocks allocated inside a c10d collective op (``c10d::*``): gloo's own copies,
+    such as the clone ``_reduce_scatter_base_`` makes of its whole input and keeps until the work object goes,
+    which NCCL does not make in PyTorch's allocator. Each allocation is matched to its free by address."""
+    from torch._C._profiler import _EventType
+
+    allocations = []
+
+    def walk(node, inside: bool) -> None:
+        if node.tag == _EventType.TorchOp and node.name.startswith("c10d::"):
+            inside = True
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            allocations.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size, inside))
+        for child in node.children:
+            walk(child, inside)
+
+    for root in recorder.profiler.kineto_results.experimental_event_tree():
+        walk(root, False)
+    allocations.sort(key=lambda allocation: allocation[0])
+    collective: set[int] = set()
+    held = held_outside = 0
+    peak = peak_outside = None if started is not None else 0
+    for time_ns, ptr, size, inside in allocations:
+        if peak is None and time_ns >= started:
+            peak, peak_outside = held, held_outside  # what lives on the device once set-up is done
+        if size > 0 and inside:
+            collective.add(ptr)
+        skip = ptr in collective
+        if size < 0:
+            collective.discard(ptr)
+        held += size
+        held_outside += 0 if skip else size
+        if peak is not None:
+            peak, peak_outside = max(peak, held), max(peak_outside, held_outside)
+    return {"peak": int(peak or 0), "peak_outside_collectives": int(peak_outside or 0)}
 
 
 def zero_rank_peak(folder: str, layout: str, precision: str, bucket: str = "default", overlap: str = "default") -> dict:
@@ -165,19 +206,10 @@ def zero_rank_peak(folder: str, layout: str, precision: str, bucket: str = "defa
             engine.backward(kept["outputs"].loss)
             engine.step()
         del kept
-    cpu = torch.autograd.DeviceType.CPU
-    events = sorted((event for event in recorder.profiler.kineto_results.events()
-                     if event.name() == "[memory]" and event.device_type() == cpu), key=lambda event: event.start_ns())
-    held, peak = 0, None
-    for event in events:
-        if peak is None and event.start_ns() >= started:
-            peak = held  # what lives on the device once initialize is done
-        held += event.nbytes()
-        if peak is not None:
-            peak = max(peak, held)
+    peaks = _peaks(recorder, started)
     rank = torch.distributed.get_rank()
     torch.distributed.destroy_process_group()
-    return {"rank": rank, "peak": int(peak or 0)}
+    return {"rank": rank, **peaks}
 
 
 def free_port() -> int:
@@ -186,17 +218,20 @@ def free_port() -> int:
     return rendezvous_port("127.0.0.1")
 
 
-def launch(folder: Path, layout: str, precision: str, zero: tuple[str, str] = ("default", "default")) -> list[int]:
-    """One run of the layout under torch.distributed.run; the per-rank peaks."""
+def launch(folder: Path, layout: str, precision: str, zero: tuple[str, str] = ("default", "default")) -> list[dict]:
+    """One run of the layout under torch.distributed.run; each rank's peaks (see `_peaks`), by rank."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PROCESSES),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--child", str(folder), layout, precision,
                *(zero if layout.startswith("zero") else ())]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"rank"')]
+    # the ranks share one stdout, so two lines can run together: decode each object where it starts
+    decoder = json.JSONDecoder()
+    rows = [decoder.raw_decode(done.stdout, start)[0] for start in
+            (found.start() for found in re.finditer(r'\{"rank"', done.stdout))]
     if done.returncode != 0 or len(rows) != PROCESSES:
         raise SystemExit(f"{layout}: exit {done.returncode}\n{done.stderr[-3000:]}")
-    return [row["peak"] for row in sorted(rows, key=lambda row: row["rank"])]
+    return sorted(rows, key=lambda row: row["rank"])
 
 
 def estimated(folder: Path, strategy: str, precision: str, zero: tuple[str, str] = ("default", "default")) -> int:
@@ -232,18 +267,25 @@ def main() -> None:
         folder = write_config(Path(tmp))
         print(f"tiny Llama, {PROCESSES} processes (gloo, CPU), batch {BATCH} x {SEQ}, {args.mixed_precision}, {STEPS} AdamW steps, "
               f"{args.repeats} runs per layout; MB = 1e6 bytes")
-        print(f"{'layout':20s} {'estimate':>9s} {'lowest':>8s} {'median':>8s} {'highest':>8s}  est/lowest est/highest")
+        print("peak: each rank's allocator peak; w/o gloo: the same without the blocks gloo allocates inside c10d "
+              "collectives (NCCL makes no such copies in PyTorch's allocator)")
+        print(f"{'layout':20s} {'estimate':>9s} {'lowest':>8s} {'median':>8s} {'highest':>8s}  est/lowest est/highest"
+              f"  {'highest w/o gloo':>16s} est/that")
         for layout in args.only or list(LAYOUTS):
             zero = (args.reduce_bucket_size, args.overlap_comm) if layout.startswith("zero") else ("default", "default")
             figure = estimated(folder, LAYOUTS[layout], args.mixed_precision, zero)
-            peaks = [peak for _ in range(args.repeats) for peak in launch(folder, layout, args.mixed_precision, zero)]
+            ranks = [rank for _ in range(args.repeats) for rank in launch(folder, layout, args.mixed_precision, zero)]
+            peaks = [rank["peak"] for rank in ranks]
+            outside = [rank["peak_outside_collectives"] for rank in ranks]
             low, mid, high = min(peaks), statistics.median(peaks), max(peaks)
             print(f"{layout:20s} {figure / 1e6:9.2f} {low / 1e6:8.2f} {mid / 1e6:8.2f} {high / 1e6:8.2f}  "
-                  f"{figure / low:10.3f} {figure / high:11.3f}", flush=True)
+                  f"{figure / low:10.3f} {figure / high:11.3f}  {max(outside) / 1e6:16.2f} {figure / max(outside):8.3f}",
+                  flush=True)
             if args.out:
                 with open(args.out, "a") as out:
                     out.write(json.dumps({"layout": layout, "estimated_as": LAYOUTS[layout], "estimate": figure,
-                                          "rank_peaks": peaks, "processes": PROCESSES, "batch": BATCH, "seq": SEQ,
+                                          "rank_peaks": peaks, "rank_peaks_outside_collectives": outside,
+                                          "processes": PROCESSES, "batch": BATCH, "seq": SEQ,
                                           "mixed_precision": args.mixed_precision,
                                           **({"reduce_bucket_size": zero[0], "overlap_comm": zero[1]} if layout.startswith("zero") else {})})
                           + "\n")

@@ -1,4 +1,5 @@
-"""The estimate for sharded layouts against the real layout: DDP, FSDP (FULL_SHARD) and DeepSpeed ZeRO-2 (bf16) with
+"""The estimate for sharded layouts against the real layout: DDP, FSDP (FULL_SHARD), DeepSpeed ZeRO-2 (bf16) and ZeRO-3
+(a small reduce bucket, so more than the bucket shows) with
 2 processes under torch.distributed.run (gloo, CPU, loopback), each rank's own allocator peak
 (bench/memory_sharded_cpu.py).
 The probe (`--measure`) runs one process and cannot see a sharded layout; this holds the estimate's
@@ -18,9 +19,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "memory_sharded_cpu.py"
 pytestmark = pytest.mark.slow
 
 
-def _layouts(out, *layouts, precision="no"):
+def _layouts(out, *layouts, precision="no", zero=()):
     done = subprocess.run([sys.executable, str(BENCH), "--repeats", "1", *(f"--only={name}" for name in layouts),
-                           "--mixed_precision", precision, "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--mixed_precision", precision, *zero, "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = {row["layout"]: row for row in map(json.loads, out.read_text().splitlines())}
     assert sorted(rows) == sorted(layouts)
@@ -28,13 +30,14 @@ def _layouts(out, *layouts, precision="no"):
 
 
 def _held_to_the_estimate(layout, row):
-    """The lowest rank's peak within 5% of the estimate (what the layout holds), and no rank more than 15% over it:
-    gloo's threads free some block-sized gradient buffers late, so a rank of some runs holds up to three blocks'
-    worth more for a moment (docs/memory.md, "On CPU: the real process layout"); a modelling error shows in both."""
-    peaks = row["rank_peaks"]
-    assert len(peaks) == 2
-    assert 0.95 <= row["estimate"] / min(peaks) <= 1.05, (layout, row)
-    assert row["estimate"] / max(peaks) >= 1 / 1.15, (layout, row)
+    """Every rank's peak within 10% of the estimate, both ways, leaving out the copies gloo makes inside its
+    collectives (NCCL makes none in PyTorch's allocator; a modelling error shows here); with them, never more than
+    15% above it: gloo's `_reduce_scatter_base_` clones its whole input and the clone can live on into the next
+    forward (docs/memory.md, "On CPU: the real process layout")."""
+    assert len(row["rank_peaks"]) == len(row["rank_peaks_outside_collectives"]) == 2
+    for peak, outside in zip(row["rank_peaks"], row["rank_peaks_outside_collectives"]):
+        assert 0.90 <= row["estimate"] / outside <= 1.10, (layout, row)
+        assert row["estimate"] / peak >= 1 / 1.15, (layout, row)
 
 
 def test_each_ranks_real_peak_under_ddp_and_fsdp_is_held_to_the_estimate(tmp_path):
@@ -52,3 +55,11 @@ def test_deepspeeds_zero2_holds_its_whole_reduce_bucket_on_each_rank_as_estimate
     row = _layouts(tmp_path / "zero.jsonl", "zero2", precision="bf16")["zero2"]
     assert all(peak > 10**9 for peak in row["rank_peaks"])  # the bucket: 5e8 x 2 B
     _held_to_the_estimate("zero2", row)
+
+
+def test_deepspeeds_zero3_holds_what_its_coordinator_keeps_gathered_and_in_flight(tmp_path):
+    """With a 2e6-element reduce bucket the rest of a ZeRO-3 rank shows: weights kept gathered within the reuse
+    distance, the prefetch bucket's flat buffer beside the weights copied out of it, the resident gradient partition
+    (each of them once 0.70-0.95 of the peak before the estimate counted it)."""
+    row = _layouts(tmp_path / "zero3.jsonl", "zero3", zero=("--reduce_bucket_size", "2000000", "--overlap_comm", "on"))["zero3"]
+    _held_to_the_estimate("zero3", row)
