@@ -258,8 +258,9 @@ class DeviceBreakdown(_Frozen):
     trained_class: str
     parameters: int
     device_items: list[MemoryItem]
-    device_total_bytes: int = Field(description="peak of live tensors: resident items + max(activations + backward temporaries, "
-                                                "gradients + step temporaries + outputs kept through the step)")
+    device_total_bytes: int = Field(description="peak of live tensors: resident items + max(activations + backward temporaries "
+                                                "(+ ZeRO's prefetch bucket or reduction copy), gradients + step temporaries + "
+                                                "outputs kept through the step)")
     device_total: str
     all_items_bytes: int = Field(description="every item added up: an upper bound on the peak")
     model_states_bytes: int = Field(description="parameters + gradients + optimizer states + gathered layers on one device")

@@ -50,8 +50,11 @@ def render_breakdown(b: DeviceBreakdown, estimate: MemoryEstimate | None = None)
     held = resident_keys(b.strategy, b.offload)
     resident = " + ".join(item.label.lower() for item in b.device_items if item.key in held)
     step = "optimizer step temporaries" if "gradients" in held else "gradients + optimizer step temporaries"
+    # ZeRO's items held in forward and backward only (strategies.device_breakdown adds them there)
+    passing = "".join(f" + {item.label.lower()}" for item in b.device_items
+                      if item.key in ("prefetch_buffer", "reduction_copy") and item.bytes)
     lines.append(f"  {'Total per device':<{width}}  {b.device_total:>11}  peak: {resident} + max(activations + backward "
-                 f"temporaries, {step} + outputs kept through the step); live tensors, as "
+                 f"temporaries{passing}, {step} + outputs kept through the step); live tensors, as "
                  "torch.cuda.max_memory_allocated counts them")
     lines.append(f"  {'All items added up':<{width}}  {human_bytes(b.all_items_bytes):>11}  an upper bound")
     lines.append(f"CPU memory per machine: {b.cpu_per_machine}")
