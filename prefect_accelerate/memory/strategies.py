@@ -10,6 +10,7 @@ precision; tests/memory/test_strategies.py checks that against DeepSpeed itself.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 from prefect_accelerate.errors import UsageError
@@ -266,7 +267,10 @@ def deepspeed_json_settings(path: str) -> dict[str, Any]:
     except ValueError as error:
         raise UsageError(f"The DeepSpeed config {path} is not JSON ({error}). Fix the file, or leave "
                          "--deepspeed_config_file out to estimate with DeepSpeed's defaults.") from None
-    zero = config.get("zero_optimization", {}) if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise UsageError(f"The DeepSpeed config {path} must hold a JSON object (a dict of DeepSpeed's settings), got "
+                         f"{type(config).__name__}. Fix the file, as DeepSpeed itself would refuse it.")
+    zero = config.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise UsageError(f"`zero_optimization` in the DeepSpeed config {path} must be an object (a JSON dict), got "
                          f"{type(zero).__name__}. Fix the file, as DeepSpeed itself would refuse it.")
@@ -280,7 +284,8 @@ def deepspeed_json_settings(path: str) -> dict[str, Any]:
         value = zero[key]
         if value == "auto" and auto:
             found[option] = "auto"
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and value >= least and value == int(value):
+        elif (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= least
+              and value == int(value)):
             found[option] = int(value)
         else:
             filled = ' or "auto" under Accelerate' if auto else ' (Accelerate does not fill in "auto" here)'

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prefect_accelerate.errors import UsageError
@@ -228,3 +228,42 @@ def test_zero3_keeps_its_gradient_partition_from_start_up_and_makes_the_fp32_cop
     assert zero3.device_total_bytes == resident + zero3.item("step_temporaries").bytes
     offloaded = device_breakdown(profile(7_000_000_000, 500_000_000), layout("zero3", 8, 1, "optimizer"))
     assert offloaded.item("gradients").bytes == 0  # the flat buffer lives with the optimizer, on CPU
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=True)
+    | st.sampled_from(["auto", "cpu", "none", "", float("inf"), float("-inf"), float("nan"), 5e8, 2.5]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["device", "stage", "x"]), inner, max_size=3),
+    max_leaves=6)
+_ZERO_KEYS = ["stage", "reduce_bucket_size", "overlap_comm", "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+              "stage3_max_live_parameters", "stage3_max_reuse_distance", "max_reuse_distance", "offload_param",
+              "offload_optimizer"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(zero=st.one_of(_JSON_VALUES, st.dictionaries(st.sampled_from(_ZERO_KEYS), _JSON_VALUES, max_size=6)),
+       whole=st.booleans())
+@example(zero={"stage3_prefetch_bucket_size": float("inf")}, whole=False)  # int(inf) once raised OverflowError
+@example(zero=[{"stage": 3}], whole=True)
+def test_any_deepspeed_json_gives_settings_the_estimate_takes_or_one_error_naming_the_file(tmp_path_factory, zero, whole):
+    """Whatever `zero_optimization` holds: either settings EstimateOptions accepts, or a UsageError that names the
+    file and the field (no other exception, no traceback for the CLI to print)."""
+    import json
+    import math
+
+    from prefect_accelerate.memory.strategies import DS_JSON_OPTIONS, deepspeed_json_settings
+
+    path = tmp_path_factory.mktemp("ds") / "ds.json"
+    path.write_text(json.dumps(zero if whole else {"zero_optimization": zero}))  # Python's json writes Infinity, NaN
+    try:
+        found = deepspeed_json_settings(str(path))
+    except UsageError as error:
+        assert str(path) in str(error)
+        assert "`zero_optimization" in str(error) or (whole and not isinstance(zero, dict))
+        return
+    options = EstimateOptions(strategy="zero3", num_processes=2, **{name: found[name] for name in DS_JSON_OPTIONS if name in found})
+    for name in ("reduce_bucket_size", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance"):
+        value = getattr(options, name)
+        assert value is None or value == "auto" or (isinstance(value, int) and value >= 0 and not math.isnan(value))
+    if isinstance(zero, dict) and options.prefetch_bucket_size != "auto" and options.reduce_bucket_size != "auto":
+        device_breakdown(profile(), options)  # the arithmetic takes whatever was accepted
