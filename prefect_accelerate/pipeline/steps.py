@@ -5,9 +5,11 @@ Each step returns a pydantic result or raises PreflightError whose message names
 
 from __future__ import annotations
 
+import os
+
 from pydantic import BaseModel, Field
 
-from prefect_accelerate.errors import PreflightError, PrefectAccelerateError
+from prefect_accelerate.errors import PreflightError, PrefectAccelerateError, UsageError
 from prefect_accelerate.pipeline.graph import estimate_options, launch_options
 from prefect_accelerate.pipeline.models import PipelineRequest
 
@@ -105,6 +107,13 @@ def deepspeed_step(request: PipelineRequest, estimate=None):
     from prefect_accelerate.launchers.engines.deepspeed.check import check_deepspeed, settings_from_options
 
     options = launch_options(request)
+    if options.deepspeed_config_file:
+        from prefect_accelerate.memory.strategies import deepspeed_json_settings
+
+        try:  # the file DeepSpeed will read: a broken one stops the preflight here, with its file and field
+            deepspeed_json_settings(os.path.join(request.cwd or os.getcwd(), str(options.deepspeed_config_file)))
+        except UsageError as error:
+            raise PreflightError(f"The DeepSpeed check failed: {error}") from None
     settings = settings_from_options(options, cwd=request.cwd)
     per_node = max(int(options.num_processes) // int(options.num_machines), 1)
     params = {}

@@ -124,6 +124,26 @@ def test_deepspeed_check_runs_and_reruns_only_when_its_json_changes(tmp_path, ti
                                "deepspeed-check": "ran", "install-test": "skipped"}
 
 
+@pytest.mark.parametrize("content", ['{"zero_optimization": "stage 3"}', '[{"zero_optimization": {"stage": 3}}]',
+                                     '{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": Infinity}}'])
+def test_a_broken_deepspeed_json_fails_the_deepspeed_check_with_its_file_not_a_traceback(tmp_path, tiny_gpt2, content):
+    """The memory gate estimates with DeepSpeed's defaults where the JSON cannot be read; the deepspeed-check step
+    then stops the preflight (or the config step does, for a file that is no JSON object), naming the file."""
+    pytest.importorskip("deepspeed")
+    from prefect_accelerate.flows.pipeline import preflight
+
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(content)
+    config = tmp_path / "ds.yaml"
+    config.write_text(f"distributed_type: DEEPSPEED\nnum_processes: 2\n"
+                      f"deepspeed_config:\n  deepspeed_config_file: {ds_json}\n  zero3_init_flag: false\n")
+    request = PipelineRequest(script=EXAMPLE, config_file=str(config), model=tiny_gpt2, memory=MemorySettings(device_memory="8GiB"),
+                              run_install_test=False, launch_flags={"dynamo_backend": "no"})
+    with pytest.raises(PreflightError, match="Preflight step (config|deepspeed-check) failed") as failed:
+        preflight(request)
+    assert str(ds_json) in str(failed.value) and "Traceback" not in str(failed.value)
+
+
 def test_an_old_format_config_is_named_in_the_preflight_summary(tmp_path):
     from prefect_accelerate.flows.pipeline import preflight
 

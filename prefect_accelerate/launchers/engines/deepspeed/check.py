@@ -143,6 +143,8 @@ def settings_from_options(options, cwd: str | None = None) -> dict[str, Any]:
             with open(path, encoding="utf-8") as handle:
                 zero = json.load(handle).get("zero_optimization", {})
         except (OSError, ValueError, AttributeError):
+            zero = {}  # unreadable, or not an object: the deepspeed-check step reports it (pipeline/steps.py)
+        if not isinstance(zero, dict):
             zero = {}
         for key, name in (("stage", "zero_stage"),):
             if isinstance(zero.get(key), int):
