@@ -78,6 +78,9 @@ class EstimateOptions(_Frozen):
         None, ge=0, description="DeepSpeed's `zero_optimization.stage3_max_live_parameters`; None: DeepSpeed's default, 1e9")
     max_reuse_distance: int | None = Field(
         None, ge=0, description="DeepSpeed's `zero_optimization.stage3_max_reuse_distance`; None: DeepSpeed's default, 1e9")
+    sub_group_size: int | None = Field(
+        None, ge=0, description="DeepSpeed's `zero_optimization.sub_group_size` (ZeRO-3 steps the optimizer a sub-group "
+                                "at a time); None: DeepSpeed's default, 1e9")
 
 
 class ModelSource(_Frozen):

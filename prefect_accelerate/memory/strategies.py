@@ -204,7 +204,10 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
         device.append(MemoryItem.of(
             "reduction_copy", "Bucket reduction copy", b * min(size, p),
             f"{b} B x min(reduce_bucket_size, P): the flattened copy of a bucket's gradients while it is reduced (backward)"))
-    local = min(p / s, DS_SUB_GROUP) if stage == 3 else p / s  # ZeRO-3 steps one sub-group at a time
+    # ZeRO-3 steps one sub-group at a time; a sub-group closes once it reaches sub_group_size, so it can pass it by one
+    # weight's partition (stage3.py, `_create_fp16_sub_groups`)
+    sub = DS_SUB_GROUP if options.sub_group_size is None else options.sub_group_size
+    local = min(p / s, sub + -(-profile.largest_tensor_numel // s)) if stage == 3 else p / s
     step, step_formula = (0, "optimizer runs on CPU") if offload != "none" else _step_temporary(profile, options.optimizer, local)
     if stage == 3 and offload == "none":
         # the step flattens a sub-group's gradient partitions into an fp32 copy for the optimizer (stage3.py,
@@ -247,6 +250,7 @@ DS_JSON_ELEMENTS: dict[str, tuple[tuple[str, ...], int, int, bool]] = {
     "prefetch_bucket_size": (("stage3_prefetch_bucket_size", "prefetch_bucket_size"), 0, DS_PREFETCH_BUCKET, True),
     "max_live_parameters": (("stage3_max_live_parameters", "max_live_parameters"), 0, DS_MAX_LIVE, False),
     "max_reuse_distance": (("stage3_max_reuse_distance", "max_reuse_distance"), 0, DS_REUSE_DISTANCE, False),
+    "sub_group_size": (("sub_group_size",), 0, DS_SUB_GROUP, False),
 }
 #: The EstimateOptions fields a DeepSpeed config sets (besides the stage and offload)
 DS_JSON_OPTIONS = (*DS_JSON_ELEMENTS, "overlap_comm")

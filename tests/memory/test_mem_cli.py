@@ -238,9 +238,10 @@ def test_the_deepspeed_config_gives_zero3s_prefetch_and_reuse_settings(run_cli, 
     profile = payload["estimate"]["profile"]
     kept = min(profile["parameters"], max(profile["largest_unit_parameters"], profile["largest_module_parameters"]))
     assert _item(payload, "kept_gathered")["bytes"] == 4 * (kept - profile["largest_module_parameters"])
-    ds = _deepspeed_json(tmp_path, stage=3, stage3_max_live_parameters=1000)
+    ds = _deepspeed_json(tmp_path, stage=3, stage3_max_live_parameters=1000, sub_group_size=0)
     payload = json.loads(run_cli(zoo["tiny-llama"], "--deepspeed_config_file", ds, "--json")[1])
     assert _item(payload, "prefetch_buffer")["bytes"] == 4 * 1000
+    assert payload["estimate"]["options"]["sub_group_size"] == 0  # each weight a sub-group of its own
 
 
 @pytest.mark.parametrize("zero,argv,message", [

@@ -228,6 +228,10 @@ def test_zero3_keeps_its_gradient_partition_from_start_up_and_makes_the_fp32_cop
     assert zero3.device_total_bytes == resident + zero3.item("step_temporaries").bytes
     offloaded = device_breakdown(profile(7_000_000_000, 500_000_000), layout("zero3", 8, 1, "optimizer"))
     assert offloaded.item("gradients").bytes == 0  # the flat buffer lives with the optimizer, on CPU
+    # a smaller sub_group_size steps less at a time; a sub-group closes once it reaches the size, so it can pass it
+    # by one weight's partition (5e8 / 8 here)
+    small_groups = device_breakdown(profile(7_000_000_000, 500_000_000), layout("zero3", 8, 1, sub_group_size=10**6))
+    assert small_groups.item("step_temporaries").bytes == 2 * 4 * (10**6 + 500_000_000 // 8)
 
 
 _JSON_VALUES = st.recursive(
