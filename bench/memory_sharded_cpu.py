@@ -27,6 +27,7 @@ smoothed. Nothing here passes or fails; no GPU is involved.
     python bench/memory_sharded_cpu.py              # 6 layouts x 3 runs: about 5 minutes on 2 cores
     python bench/memory_sharded_cpu.py --repeats 5 --only fsdp_full_shard
     python bench/memory_sharded_cpu.py --only zero2 --only zero3 --reduce_bucket_size 2000000 --overlap_comm on
+    python bench/memory_sharded_cpu.py --only zero2 --only zero3 --accelerate_auto   # "auto" sizes, as Accelerate fills them
 
 With DeepSpeed's default 5e8-element reduce bucket, the bucket is nearly all of a ZeRO rank's peak on this
 model; a small `--reduce_bucket_size` lets the rest (partitioned states, gathered weights, activations) show.
@@ -159,7 +160,8 @@ def _peaks(recorder, started: int | None = None) -> dict:
     return {"peak": int(peak or 0), "peak_outside_collectives": int(peak_outside or 0)}
 
 
-def zero_rank_peak(folder: str, layout: str, precision: str, bucket: str = "default", overlap: str = "default") -> dict:
+def zero_rank_peak(folder: str, layout: str, precision: str, bucket: str = "default", overlap: str = "default",
+                   auto: str = "off") -> dict:
     """In each process of a DeepSpeed launch: `deepspeed.initialize` with Accelerate's plugin defaults (the stage,
     bf16 when asked, DeepSpeed's own defaults for the rest, a torch AdamW as the client optimizer), train, and
     return this rank's allocator peak from the end of `initialize` on (the fp32 model every process builds first
@@ -186,6 +188,11 @@ def zero_rank_peak(folder: str, layout: str, precision: str, bucket: str = "defa
         settings["zero_optimization"]["reduce_bucket_size"] = int(bucket)
     if overlap != "default":
         settings["zero_optimization"]["overlap_comm"] = overlap == "on"
+    if auto == "on":  # "auto" in the JSON for the three sizes Accelerate fills in from hidden_size (_prepare_deepspeed)
+        hidden = config.hidden_size
+        settings["zero_optimization"].update({"reduce_bucket_size": hidden * hidden,
+                                              "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+                                              "stage3_param_persistence_threshold": 10 * hidden})
     if precision == "bf16":
         settings["bf16"] = {"enabled": True}
     case = {"library": "transformers", "batch_size": BATCH, "seq_len": SEQ, "mixed_precision": "no"}  # no autocast
@@ -218,7 +225,7 @@ def free_port() -> int:
     return rendezvous_port("127.0.0.1")
 
 
-def launch(folder: Path, layout: str, precision: str, zero: tuple[str, str] = ("default", "default")) -> list[dict]:
+def launch(folder: Path, layout: str, precision: str, zero: tuple[str, ...] = ("default", "default", "off")) -> list[dict]:
     """One run of the layout under torch.distributed.run; each rank's peaks (see `_peaks`), by rank."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(PROCESSES),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), __file__, "--child", str(folder), layout, precision,
@@ -234,12 +241,13 @@ def launch(folder: Path, layout: str, precision: str, zero: tuple[str, str] = ("
     return sorted(rows, key=lambda row: row["rank"])
 
 
-def estimated(folder: Path, strategy: str, precision: str, zero: tuple[str, str] = ("default", "default")) -> int:
+def estimated(folder: Path, strategy: str, precision: str, zero: tuple[str, ...] = ("default", "default", "off")) -> int:
     from prefect_accelerate.memory import EstimateOptions, estimate
 
     options = EstimateOptions(dtypes=("float32",), strategy=strategy, num_processes=PROCESSES, batch_size=BATCH,
                               seq_len=SEQ, device_type="cpu", mixed_precision=precision,
-                              reduce_bucket_size=None if zero[0] == "default" else int(zero[0]),
+                              reduce_bucket_size="auto" if zero[2] == "on" else None if zero[0] == "default" else int(zero[0]),
+                              prefetch_bucket_size="auto" if zero[2] == "on" else None,
                               overlap_comm=None if zero[1] == "default" else zero[1] == "on")
     return estimate(str(folder), options).breakdown.device_total_bytes
 
@@ -254,6 +262,9 @@ def main() -> None:
                         help="ZeRO layouts: DeepSpeed's reduce_bucket_size (elements), in the run and the estimate")
     parser.add_argument("--overlap_comm", choices=("default", "on", "off"), default="default",
                         help="ZeRO layouts: DeepSpeed's overlap_comm, in the run and the estimate")
+    parser.add_argument("--accelerate_auto", action="store_true",
+                        help="ZeRO layouts: reduce_bucket_size, stage3_prefetch_bucket_size and stage3_param_persistence_"
+                             "threshold \"auto\", as Accelerate fills them in from hidden_size (replaces --reduce_bucket_size)")
     parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -272,7 +283,8 @@ def main() -> None:
         print(f"{'layout':20s} {'estimate':>9s} {'lowest':>8s} {'median':>8s} {'highest':>8s}  est/lowest est/highest"
               f"  {'highest w/o gloo':>16s} est/that")
         for layout in args.only or list(LAYOUTS):
-            zero = (args.reduce_bucket_size, args.overlap_comm) if layout.startswith("zero") else ("default", "default")
+            zero = ((args.reduce_bucket_size, args.overlap_comm, "on" if args.accelerate_auto else "off")
+                    if layout.startswith("zero") else ("default", "default", "off"))
             figure = estimated(folder, LAYOUTS[layout], args.mixed_precision, zero)
             ranks = [rank for _ in range(args.repeats) for rank in launch(folder, layout, args.mixed_precision, zero)]
             peaks = [rank["peak"] for rank in ranks]
@@ -287,7 +299,8 @@ def main() -> None:
                                           "rank_peaks": peaks, "rank_peaks_outside_collectives": outside,
                                           "processes": PROCESSES, "batch": BATCH, "seq": SEQ,
                                           "mixed_precision": args.mixed_precision,
-                                          **({"reduce_bucket_size": zero[0], "overlap_comm": zero[1]} if layout.startswith("zero") else {})})
+                                          **({"reduce_bucket_size": "auto" if zero[2] == "on" else zero[0], "overlap_comm": zero[1]}
+                                             if layout.startswith("zero") else {})})
                           + "\n")
 
 
