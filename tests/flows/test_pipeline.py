@@ -124,22 +124,39 @@ def test_deepspeed_check_runs_and_reruns_only_when_its_json_changes(tmp_path, ti
                                "deepspeed-check": "ran", "install-test": "skipped"}
 
 
-@pytest.mark.parametrize("content", ['{"zero_optimization": "stage 3"}', '[{"zero_optimization": {"stage": 3}}]',
-                                     '{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": Infinity}}'])
-def test_a_broken_deepspeed_json_fails_the_deepspeed_check_with_its_file_not_a_traceback(tmp_path, tiny_gpt2, content):
-    """The memory gate estimates with DeepSpeed's defaults where the JSON cannot be read; the deepspeed-check step
-    then stops the preflight (or the config step does, for a file that is no JSON object), naming the file."""
-    pytest.importorskip("deepspeed")
-    from prefect_accelerate.flows.pipeline import preflight
-
+def _deepspeed_request(tmp_path, model, content):
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(content)
     config = tmp_path / "ds.yaml"
     config.write_text(f"distributed_type: DEEPSPEED\nnum_processes: 2\n"
                       f"deepspeed_config:\n  deepspeed_config_file: {ds_json}\n  zero3_init_flag: false\n")
-    request = PipelineRequest(script=EXAMPLE, config_file=str(config), model=tiny_gpt2, memory=MemorySettings(device_memory="8GiB"),
-                              run_install_test=False, launch_flags={"dynamo_backend": "no"})
-    with pytest.raises(PreflightError, match="Preflight step (config|deepspeed-check) failed") as failed:
+    return ds_json, PipelineRequest(script=EXAMPLE, config_file=str(config), model=model,
+                                    memory=MemorySettings(device_memory="8GiB"), run_install_test=False,
+                                    launch_flags={"dynamo_backend": "no"})
+
+
+@pytest.mark.parametrize("content", ['{"zero_optimization": "stage 3"}',
+                                     '{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": Infinity}}'])
+def test_a_broken_deepspeed_json_is_the_deepspeed_checks_finding_not_a_crash_of_the_graph(tmp_path, tiny_gpt2, content):
+    """The graph (and the memory gate's layout) takes DeepSpeed's defaults where the JSON cannot be read; the
+    deepspeed-check step then refuses the file, naming it and the field."""
+    pytest.importorskip("deepspeed")
+    from prefect_accelerate.pipeline.graph import build_graph
+    from prefect_accelerate.pipeline.steps import deepspeed_step
+
+    ds_json, request = _deepspeed_request(tmp_path, tiny_gpt2, content)
+    assert build_graph(request).step("deepspeed-check") is not None
+    with pytest.raises(PreflightError, match="The DeepSpeed check failed: `zero_optimization") as failed:
+        deepspeed_step(request)
+    assert str(ds_json) in str(failed.value)
+
+
+def test_a_broken_deepspeed_json_stops_the_real_preflight_at_a_named_step(tmp_path, tiny_gpt2):
+    pytest.importorskip("deepspeed")
+    from prefect_accelerate.flows.pipeline import preflight
+
+    ds_json, request = _deepspeed_request(tmp_path, tiny_gpt2, '{"zero_optimization": "stage 3"}')
+    with pytest.raises(PreflightError, match="Preflight step deepspeed-check failed") as failed:
         preflight(request)
     assert str(ds_json) in str(failed.value) and "Traceback" not in str(failed.value)
 
