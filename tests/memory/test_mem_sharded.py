@@ -30,13 +30,15 @@ def _layouts(out, *layouts, precision="no", zero=()):
 
 
 def _held_to_the_estimate(layout, row):
-    """Every rank's peak within 10% of the estimate, both ways, leaving out the copies gloo makes inside its
-    collectives (NCCL makes none in PyTorch's allocator; a modelling error shows here); with them, never more than
-    15% above it: gloo's `_reduce_scatter_base_` clones its whole input and the clone can live on into the next
-    forward (docs/memory.md, "On CPU: the real process layout")."""
+    """No rank's peak more than 10% above the estimate, leaving out the copies gloo makes inside its collectives
+    (NCCL makes none in PyTorch's allocator), nor 15% above it with them: gloo's `_reduce_scatter_base_` clones its
+    whole input and the clone can live on into the next forward. Below the estimate by at most 15%: the estimate
+    holds what comes and goes with timing at its most (ZeRO-3's prefetch bucket is the whole model here, 11% of a
+    rank's peak, and some runs peak while less of it is in flight; docs/memory.md, "On CPU: the real process
+    layout"), so a modelling error shows, run-to-run timing does not."""
     assert len(row["rank_peaks"]) == len(row["rank_peaks_outside_collectives"]) == 2
     for peak, outside in zip(row["rank_peaks"], row["rank_peaks_outside_collectives"]):
-        assert 0.90 <= row["estimate"] / outside <= 1.10, (layout, row)
+        assert 0.90 <= row["estimate"] / outside <= 1.15, (layout, row)
         assert row["estimate"] / peak >= 1 / 1.15, (layout, row)
 
 
