@@ -92,6 +92,13 @@ def launch_options(request: PipelineRequest, *, host=None):
     return build_launch_options(request.script, request.script_args, config_file=request.config_file, host=host, **flags)
 
 
+def deepspeed_json_path(request: PipelineRequest, options) -> str | None:
+    """The DeepSpeed JSON config the launch names, relative to the pipeline's working directory; None without one."""
+    if not options.deepspeed_config_file:
+        return None
+    return os.path.join(request.cwd or os.getcwd(), str(options.deepspeed_config_file))
+
+
 def estimate_options(request: PipelineRequest, options):
     """The memory layout this launch will use: strategy, processes, precision, offload."""
     from prefect_accelerate.memory.models import EstimateOptions
@@ -100,16 +107,14 @@ def estimate_options(request: PipelineRequest, options):
     strategy, offload, zero = "ddp", "none", {}
     if options.use_deepspeed:
         from prefect_accelerate.launchers.engines.deepspeed.check import settings_from_options
-
         from prefect_accelerate.memory.strategies import ZERO_STAGE_STRATEGY, deepspeed_json_settings, offload_from_devices
 
         settings = settings_from_options(options, cwd=request.cwd)
         strategy = ZERO_STAGE_STRATEGY[int(settings.get("zero_stage") or 0)]
         offload = offload_from_devices(settings.get("offload_param_device"), settings.get("offload_optimizer_device"))
         if options.deepspeed_config_file:
-
             try:
-                zero = deepspeed_json_settings(os.path.join(request.cwd or os.getcwd(), str(options.deepspeed_config_file)))
+                zero = deepspeed_json_settings(deepspeed_json_path(request, options))
             except PrefectAccelerateError:
                 zero = {}  # an unreadable file is the deepspeed-check step's finding, with its own message
     elif options.use_fsdp:
@@ -211,8 +216,7 @@ def build_graph(request: PipelineRequest, *, host=None, with_status: bool = True
             settings = settings_from_options(options, cwd=request.cwd)
             steps["deepspeed-check"].inputs = {
                 "deepspeed settings": digest(settings),
-                "deepspeed json": file_digest(Path(request.cwd or ".", options.deepspeed_config_file)
-                                              if options.deepspeed_config_file else None),
+                "deepspeed json": file_digest(Path(path) if (path := deepspeed_json_path(request, options)) else None),
                 "environment": env_digest, "model config": model,
             }
         steps["install-test"].inputs = {"launch settings": settings_digest(options), "config file": config_inputs["config file"], "environment": env_digest}

@@ -5,12 +5,10 @@ Each step returns a pydantic result or raises PreflightError whose message names
 
 from __future__ import annotations
 
-import os
-
 from pydantic import BaseModel, Field
 
 from prefect_accelerate.errors import PreflightError, PrefectAccelerateError, UsageError
-from prefect_accelerate.pipeline.graph import estimate_options, launch_options
+from prefect_accelerate.pipeline.graph import deepspeed_json_path, estimate_options, launch_options
 from prefect_accelerate.pipeline.models import PipelineRequest
 
 
@@ -111,7 +109,7 @@ def deepspeed_step(request: PipelineRequest, estimate=None):
         from prefect_accelerate.memory.strategies import deepspeed_json_settings
 
         try:  # the file DeepSpeed will read: a broken one stops the preflight here, with its file and field
-            deepspeed_json_settings(os.path.join(request.cwd or os.getcwd(), str(options.deepspeed_config_file)))
+            deepspeed_json_settings(deepspeed_json_path(request, options))
         except UsageError as error:
             raise PreflightError(f"The DeepSpeed check failed: {error}") from None
     settings = settings_from_options(options, cwd=request.cwd)
