@@ -697,8 +697,15 @@ class _Phase:
 
 
 def _cache_layers(output: Any) -> list[list[Any]]:
-    """The key/value tensors of a cache the model returns, per cache layer (transformers' DynamicCache keeps one
-    layer per block; the legacy form is a tuple of per-layer tuples)."""
+    """The tensors of a cache the model returns, per cache layer: whatever the loop's `outputs` keeps alive
+    through it until the next forward replaces them.
+
+    transformers' caches keep one layer object per block (`Cache.layers`: keys and values, and whatever else a
+    layer keeps: a linear-attention layer's conv and recurrent states, an indexer's keys). An encoder-decoder
+    model returns an `EncoderDecoderCache`, which holds two such caches (self-attention and cross-attention, a
+    layer of each per decoder block): their layers are joined index by index. A cache laid out otherwise (a
+    model's own cache class, the legacy tuple of per-layer tuples) gives what it holds per entry, or all of it
+    as one layer."""
     if not isinstance(output, dict):
         return []
     cache = output.get("cache")  # transformers 5.x; `past_key_values` before
@@ -708,11 +715,47 @@ def _cache_layers(output: Any) -> list[list[Any]]:
         return []
     if isinstance(cache, (list, tuple)):
         return [list(_tensors_in(layer)) for layer in cache]
-    layers = []
-    for layer in getattr(cache, "layers", None) or []:
-        values = (getattr(layer, name, None) for name in ("keys", "values"))
-        layers.append([value for value in values if value is not None and hasattr(value, "numel")])
-    return layers
+    return [layer for layer in _layers_of(cache, depth=0) if layer]
+
+
+def _layers_of(cache: Any, depth: int) -> list[list[Any]]:
+    """Per-layer tensors of a cache object (see `_cache_layers`); its own tensors outside the layers join the first."""
+    layers = getattr(cache, "layers", None)
+    found = [list(_reachable_tensors(layer)) for layer in layers] if isinstance(layers, (list, tuple)) else []
+    rest: list[Any] = []
+    for name, value in (vars(cache).items() if hasattr(cache, "__dict__") else ()):
+        if name == "layers":
+            continue
+        if depth < 2 and isinstance(getattr(value, "layers", None), (list, tuple)):
+            for index, layer in enumerate(_layers_of(value, depth + 1)):  # a sub-cache: layer by layer
+                if index == len(found):
+                    found.append([])
+                found[index].extend(layer)
+        else:
+            rest.extend(_reachable_tensors(value))
+    if rest:
+        found = [rest + found[0], *found[1:]] if found else [rest]
+    return found
+
+
+def _reachable_tensors(value: Any, depth: int = 0) -> Iterator[Any]:
+    """Every tensor an object keeps: itself, in its containers, in its attributes (a few levels down; modules and
+    classes are not followed)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth > 4 or isinstance(value, (str, bytes, type, torch.nn.Module)):
+        return
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _reachable_tensors(item, depth + 1)
+    elif isinstance(value, (list, tuple, set)):
+        for item in value:
+            yield from _reachable_tensors(item, depth + 1)
+    elif hasattr(value, "__dict__") and not callable(value):
+        for item in vars(value).values():
+            yield from _reachable_tensors(item, depth + 1)
 
 
 def _unpack(tensor: Any) -> Any:
