@@ -29,6 +29,14 @@ smoothed. Nothing here passes or fails; no GPU is involved.
     python bench/memory_sharded_cpu.py --only zero2 --only zero3 --reduce_bucket_size 2000000 --overlap_comm on
     python bench/memory_sharded_cpu.py --only zero2 --only zero3 --accelerate_auto   # "auto" sizes, as Accelerate fills them
 
+`--family MODEL_TYPE` runs any transformers family instead of the tiny Llama: the tiny config
+bench/memory_families_cpu.py builds (width 128, 4 blocks, the family's other defaults), its causal-LM head
+(else seq2seq, else masked-LM), and FSDP units of the classes its `_no_split_modules` names, as Accelerate
+picks them (an encoder-decoder's encoder and decoder blocks, a mixture-of-experts block with its experts).
+
+    python bench/memory_sharded_cpu.py --family t5 --repeats 2
+    python bench/memory_sharded_cpu.py --family mixtral --only fsdp_full_shard --only zero3
+
 With DeepSpeed's default 5e8-element reduce bucket, the bucket is nearly all of a ZeRO rank's peak on this
 model; a small `--reduce_bucket_size` lets the rest (partitioned states, gathered weights, activations) show.
 """
@@ -55,9 +63,20 @@ LAYOUTS = {"ddp": "ddp", "fsdp_full_shard": "fsdp_full_shard", "fsdp_shard_grad_
 BATCH, SEQ, STEPS, PROCESSES = 4, 128, 3, 2
 
 
-def write_config(folder: Path) -> Path:
+def write_config(folder: Path, family: str | None = None) -> Path:
+    """The bench's model as a config folder: the tiny Llama, or a tiny config of ``family`` (a transformers
+    model_type: its causal-LM head, else its sequence-to-sequence one, else its masked-LM one) built as
+    bench/memory_families_cpu.py builds it, with 4 blocks so that sharding has units to spread."""
     import transformers
 
+    if family:
+        from memory_families_cpu import families, tiny_config
+
+        heads = {model_type: architecture for _, model_type, architecture in reversed(families(["masked", "seq2seq", "causal"]))}
+        if family not in heads:
+            raise SystemExit(f"--family {family}: transformers has no causal-LM, seq2seq or masked-LM head of that model_type")
+        tiny_config(family, heads[family], depth=4).save_pretrained(folder)
+        return folder
     transformers.LlamaConfig(
         hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
         vocab_size=1000, max_position_embeddings=256, bos_token_id=0, eos_token_id=0, pad_token_id=0,
@@ -81,17 +100,25 @@ def rank_peak(folder: str, layout: str, precision: str) -> dict:
     dist.init_process_group("gloo")
     config = transformers.AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config).train()
-    block = type(model.model.layers[0])
+    model = getattr(transformers, config.architectures[0])._from_config(config).train()
+    blocks = block_classes(model)
     half = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16} if precision == "bf16" else None
     if layout == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        # a family whose head leaves a weight out of the loss (BERT's masked-LM head) trains under DDP only with
+        # find_unused_parameters=True (Accelerate: DistributedDataParallelKwargs). DDP then never rebuilds its
+        # gradient buckets (reducer.cpp, `should_rebuild_buckets`), so the ones it made when wrapping, before the
+        # recorder starts, are the ones it keeps: counted here. Without it they are rebuilt in the second forward,
+        # in the recorder's view.
+        unused = leaves_weights_out(model, precision)
+        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
         local = list(model.parameters())
+        if unused:
+            local += [p for p in local if p.requires_grad]  # the buckets: one copy of every trained weight
     elif layout == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = {"mp_policy": MixedPrecisionPolicy(**half)} if half else {}
-        for layer in model.model.layers:
+        for layer in [module for module in model.modules() if type(module) in blocks]:
             fully_shard(layer, **policy)
         fully_shard(model, **policy)
         local = [p.to_local() for p in model.parameters()]
@@ -101,7 +128,7 @@ def rank_peak(folder: str, layout: str, precision: str) -> dict:
 
         strategy = ShardingStrategy.FULL_SHARD if layout == "fsdp_full_shard" else ShardingStrategy.SHARD_GRAD_OP
         model = FullyShardedDataParallel(
-            model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={block}),
+            model, auto_wrap_policy=functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=blocks),
             sharding_strategy=strategy, device_id=torch.device("cpu"), use_orig_params=True,
             mixed_precision=MixedPrecision(**half, buffer_dtype=torch.bfloat16) if half else None)
         local = list(model.parameters())
@@ -120,6 +147,32 @@ def rank_peak(folder: str, layout: str, precision: str) -> dict:
     rank = dist.get_rank()
     dist.destroy_process_group()
     return {"rank": rank, **{name: value + kept_bytes for name, value in peaks.items()}}
+
+
+def leaves_weights_out(model, precision: str) -> bool:  # noqa: ANN001
+    """Whether a training step of the bench's batch leaves a trained weight without a gradient (measured: one
+    forward and backward, then the gradients are dropped)."""
+    from prefect_accelerate.memory.measured import batch_for, train_step
+
+    class _NoStep:
+        def step(self) -> None:
+            pass
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            pass
+
+    case = {"library": "transformers", "batch_size": BATCH, "seq_len": SEQ, "mixed_precision": precision}
+    train_step(case, model, _NoStep(), batch_for(case, model, "cpu"), "cpu")
+    unused = any(p.grad is None for p in model.parameters() if p.requires_grad)
+    model.zero_grad(set_to_none=True)
+    return unused
+
+
+def block_classes(model) -> set:  # noqa: ANN001
+    """The classes FSDP wraps as units, as Accelerate picks them: the model's `_no_split_modules`
+    (`fsdp_transformer_layer_cls_to_wrap` defaults to them), found among its modules."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return {type(module) for module in model.modules() if type(module).__name__ in names}
 
 
 def _peaks(recorder, started: int | None = None) -> dict:
@@ -199,7 +252,7 @@ def zero_rank_peak(folder: str, layout: str, precision: str, bucket: str = "defa
     torch.manual_seed(0)
     recorder = allocation_recorder()
     with recorder:
-        model = transformers.LlamaForCausalLM._from_config(config).train()
+        model = getattr(transformers, config.architectures[0])._from_config(config).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=settings)
         del model, optimizer
@@ -265,6 +318,8 @@ def main() -> None:
     parser.add_argument("--accelerate_auto", action="store_true",
                         help="ZeRO layouts: reduce_bucket_size, stage3_prefetch_bucket_size and stage3_param_persistence_"
                              "threshold \"auto\", as Accelerate fills them in from hidden_size (replaces --reduce_bucket_size)")
+    parser.add_argument("--family", help="a transformers model_type to run instead of the tiny Llama (a tiny config of it, "
+                                         "4 blocks, as bench/memory_families_cpu.py builds it)")
     parser.add_argument("--child", nargs="+", metavar="ARG", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -275,8 +330,8 @@ def main() -> None:
         return
     os.environ.setdefault("PREFECT_ACCELERATE_PROFILE_CACHE", "off")
     with tempfile.TemporaryDirectory(prefix="sharded-") as tmp:
-        folder = write_config(Path(tmp))
-        print(f"tiny Llama, {PROCESSES} processes (gloo, CPU), batch {BATCH} x {SEQ}, {args.mixed_precision}, {STEPS} AdamW steps, "
+        folder = write_config(Path(tmp), args.family)
+        print(f"tiny {args.family or 'Llama'}, {PROCESSES} processes (gloo, CPU), batch {BATCH} x {SEQ}, {args.mixed_precision}, {STEPS} AdamW steps, "
               f"{args.repeats} runs per layout; MB = 1e6 bytes")
         print("peak: each rank's allocator peak; w/o gloo: the same without the blocks gloo allocates inside c10d "
               "collectives (NCCL makes no such copies in PyTorch's allocator)")
@@ -297,7 +352,7 @@ def main() -> None:
                 with open(args.out, "a") as out:
                     out.write(json.dumps({"layout": layout, "estimated_as": LAYOUTS[layout], "estimate": figure,
                                           "rank_peaks": peaks, "rank_peaks_outside_collectives": outside,
-                                          "processes": PROCESSES, "batch": BATCH, "seq": SEQ,
+                                          **({"family": args.family} if args.family else {}), "processes": PROCESSES, "batch": BATCH, "seq": SEQ,
                                           "mixed_precision": args.mixed_precision,
                                           **({"reduce_bucket_size": "auto" if zero[2] == "on" else zero[0], "overlap_comm": zero[1]}
                                              if layout.startswith("zero") else {})})

@@ -65,3 +65,16 @@ def test_deepspeeds_zero3_holds_what_its_coordinator_keeps_gathered_and_in_fligh
     (each of them once 0.70-0.95 of the peak before the estimate counted it)."""
     row = _layouts(tmp_path / "zero3.jsonl", "zero3", zero=("--reduce_bucket_size", "2000000", "--overlap_comm", "on"))["zero3"]
     _held_to_the_estimate("zero3", row)
+
+
+def test_a_mixture_of_experts_family_nobody_tuned_the_sharded_estimate_to_is_held_to_it_too(tmp_path):
+    """Mixtral (experts inside each decoder block, a router, grouped keys/values), from its own family defaults at
+    a tiny width (bench/memory_families_cpu.py's config), wrapped as Accelerate wraps it: one FSDP unit per class in
+    its `_no_split_modules`. The Llama rows above never saw experts; docs/data/memory_sharded_families_cpu.jsonl
+    has six families under all six layouts."""
+    done = subprocess.run([sys.executable, str(BENCH), "--repeats", "1", "--family", "mixtral", "--only=fsdp_full_shard",
+                           "--out", str(tmp_path / "family.jsonl")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    [row] = map(json.loads, (tmp_path / "family.jsonl").read_text().splitlines())
+    assert row["family"] == "mixtral" and row["layout"] == "fsdp_full_shard"
+    _held_to_the_estimate("fsdp_full_shard", row)
