@@ -50,9 +50,11 @@ def render_breakdown(b: DeviceBreakdown, estimate: MemoryEstimate | None = None)
     held = resident_keys(b.strategy, b.offload)
     resident = " + ".join(item.label.lower() for item in b.device_items if item.key in held)
     step = "optimizer step temporaries" if "gradients" in held else "gradients + optimizer step temporaries"
-    # ZeRO's items held in forward and backward only (strategies.device_breakdown adds them there)
+    # ZeRO's items held in forward and backward only (strategies.device_breakdown adds them there; ZeRO-2's reduce
+    # bucket, made and released by each backward, too)
     passing = "".join(f" + {item.label.lower()}" for item in b.device_items
-                      if item.key in ("prefetch_buffer", "reduction_copy") and item.bytes)
+                      if (item.key in ("prefetch_buffer", "reduction_copy")
+                          or (item.key == "communication_buffers" and item.key not in held)) and item.bytes)
     lines.append(f"  {'Total per device':<{width}}  {b.device_total:>11}  peak: {resident} + max(activations + backward "
                  f"temporaries{passing}, {step} + outputs kept through the step); live tensors, as "
                  "torch.cuda.max_memory_allocated counts them")

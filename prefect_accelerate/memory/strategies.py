@@ -237,9 +237,56 @@ def offload_from_devices(param_device: Any, optimizer_device: Any) -> str:
 
 def resident_keys(strategy: str, offload: str) -> tuple[str, ...]:
     """The device items held for the whole step. ZeRO-3 keeps its gradient partition from start-up (without
-    offload); every other layout makes its gradients in backward."""
-    keys = ("parameters", "optimizer_states", "gathered_layers", "kept_gathered", "communication_buffers")
-    return (*keys, "gradients") if strategy == "zero3" and offload == "none" else keys
+    offload); every other layout makes its gradients in backward. ZeRO-2 without offload makes its reduce bucket
+    at each backward and releases it at the end (`_zero2_phases`)."""
+    keys = ("parameters", "optimizer_states", "gathered_layers", "kept_gathered")
+    if strategy == "zero3" and offload == "none":
+        return (*keys, "communication_buffers", "gradients")
+    return keys if zero2_releases_its_bucket(strategy, offload) else (*keys, "communication_buffers")
+
+
+def zero2_releases_its_bucket(strategy: str, offload: str) -> bool:
+    """ZeRO-2 without offload (`contiguous_gradients`, DeepSpeed's default): the reduce bucket lives through
+    backward only (see `_zero2_phases`)."""
+    return strategy == "zero2" and offload == "none"
+
+
+def _zero2_phases(profile: ModelProfile, options: EstimateOptions, by_key: dict[str, float]) -> tuple[int, int, int, int]:
+    """What ZeRO-2 without offload holds beyond its resident states in backward, and at the optimizer step.
+
+    Read from DeepSpeed 0.19.8's stage_1_and_2.py (`contiguous_gradients`, its default), and seen in the profile of
+    a real rank's live blocks at its peak (docs/memory.md, "the real process layouts on families other than Llama"):
+
+    - backward: the reduce bucket(s) are made at the first gradient and released at the end of every backward
+      (`_release_ipg_buffers`), so they are held in backward only. Each weight's gradient is copied into the bucket
+      and becomes a view of it, so gradients take no room of their own until a flush copies this rank's part out:
+      `copy_grads_in_partition` makes the whole partition store (b B x P / S) at the first flush, which comes
+      before the end of backward only when the gradients outgrow one bucket (P > reduce_bucket_size). Counted for
+      the whole of backward then (it exists from the first flush on).
+    - the reduction copy (a bucket's contents, flattened to be reduced): a bucket is flushed when the next gradient
+      would overflow it and once more at the end of backward (`independent_gradient_partition_epilogue`), when
+      every activation is freed. Gradients that fit one bucket are flushed at that end only, so their copy never
+      meets the activations: the end of backward is a moment of its own (the bucket, the copy, the partition store
+      if it exists, the loop's outputs).
+    - the step: the partition's gradients (b B x P / S) are flattened into one tensor (a second b B x P / S) and
+      converted to fp32 for the optimizer (4 B x P / S; no copy when b is 4), then the 16-bit ones are freed and
+      the optimizer runs on the fp32 partition with its own temporaries: the larger of the two moments.
+
+    Returns what backward holds beyond the activations' phases (the bucket; when the gradients outgrow one bucket,
+    the partition store and a bucket's copy too, counted for the whole of backward: a real rank's first flush came
+    with nearly every activation still alive), the step's hold, the end of backward's hold (each beyond the resident
+    states, without the loop's outputs), and the reduction copy.
+    """
+    b = 2 if options.mixed_precision != "no" else 4
+    local = profile.trainable_parameters / shard_factor(options)
+    size = options.reduce_bucket_size if isinstance(options.reduce_bucket_size, int) else DS_REDUCE_BUCKET
+    flushed_early = profile.trainable_parameters > size
+    partition = b * local if flushed_early else 0
+    copy = by_key.get("reduction_copy", 0)
+    backward = by_key["communication_buffers"] + partition + (copy if flushed_early else 0)
+    step = max(2 * b * local + (4 * local if b != 4 else 0), 4 * local + by_key["step_temporaries"])
+    end = by_key["communication_buffers"] + partition + copy
+    return round(backward), round(step), round(end), round(copy)
 
 
 #: The element counts read from a DeepSpeed config: our option -> (its keys in `zero_optimization`, DeepSpeed's field
@@ -422,10 +469,18 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     # ZeRO-3's prefetch bucket lives through forward and backward, ZeRO-1/2's reduction copy through backward; neither
     # at the optimizer step
     in_flight, reducing = by_key.get("prefetch_buffer", 0), by_key.get("reduction_copy", 0)
+    step = made_gradients + by_key["step_temporaries"] + by_key["loop_outputs"]
+    end_of_backward = 0
+    if zero2_releases_its_bucket(strategy, options.offload):
+        # its bucket and, past the first flush, its gradient partition through backward; the step on its own terms
+        in_backward, step_hold, end, copy = _zero2_phases(profile, options, by_key)
+        reducing, made_gradients = reducing - copy + in_backward, 0
+        step = step_hold + by_key["loop_outputs"]
+        end_of_backward = end + by_key["loop_outputs"]
     forward_backward = by_key["activations"] + by_key["backward_temporaries"] + in_flight + reducing
     last_block, where = _block_phases(profile, options, made_gradients, keeps_casts=strategy == "ddp" and mp)
     last_block += in_flight + reducing
-    if last_block > forward_backward:
+    if last_block > max(forward_backward, end_of_backward):
         blocks = len(profile.activations.per_layer_bytes)
         held = "recomputed" if options.gradient_checkpointing else "its saved tensors"
         if where == 0:
@@ -435,12 +490,14 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
             notes.append(f"The peak of backward comes in the backward of block {where + 1} of {blocks} ({held}), with "
                          f"the saved tensors of the blocks before it and the gradients of those after it "
                          f"({human_bytes(last_block)} besides the resident states).")
-    step = made_gradients + by_key["step_temporaries"] + by_key["loop_outputs"]
     forward = _forward_phase(profile.activations, options) + by_key["loop_outputs"] + in_flight
-    if forward > max(forward_backward, last_block, step):
+    if end_of_backward > max(forward_backward, last_block, step, forward):
+        notes.append(f"The peak comes at the end of backward, when ZeRO-2 reduces its last bucket: the bucket and its "
+                     f"flattened copy ({human_bytes(end_of_backward)} besides the resident states).")
+    if forward > max(forward_backward, last_block, step, end_of_backward):
         notes.append(f"The peak comes during the forward: its temporaries of the moment outgrow what backward holds "
                      f"({human_bytes(forward)} besides the resident states, the previous step's outputs included).")
-    total = resident + max(forward_backward, last_block, step, forward)
+    total = resident + max(forward_backward, last_block, step, forward, end_of_backward)
     states = sum(by_key.get(k, 0) for k in ("parameters", "gradients", "optimizer_states", "gathered_layers"))
     cpu_total = sum(item.bytes for item in cpu)
     if mp and strategy not in DEEPSPEED_STRATEGIES:

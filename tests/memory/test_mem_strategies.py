@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from prefect_accelerate.errors import UsageError
 from prefect_accelerate.memory import EstimateOptions, estimate
 from prefect_accelerate.memory.models import ActivationProfile, ModelProfile
-from prefect_accelerate.memory.strategies import device_breakdown
+from prefect_accelerate.memory.strategies import device_breakdown, resident_keys
 
 
 def profile(parameters: int = 7_000_000_000, largest: int = 500_000_000, **extra) -> ModelProfile:
@@ -208,9 +208,13 @@ def test_zero12_flatten_a_buckets_gradients_to_reduce_them_during_backward_only(
     assert device_breakdown(big, layout(stage, 8, 1)).item("reduction_copy").bytes == 2 * 500_000_000
     one, two = (device_breakdown(big, layout(stage, 8, 1, reduce_bucket_size=size)) for size in (10**6, 10**8))
     assert two.item("reduction_copy").bytes == 2 * 10**8
-    # on the device the step is the peak (no activations here): only the resident bucket itself differs
-    assert (two.device_total_bytes - one.device_total_bytes
-            == two.item("communication_buffers").bytes - one.item("communication_buffers").bytes)
+    if stage == "zero1":
+        # on the device the step is the peak (no activations here): only the resident bucket itself differs
+        assert (two.device_total_bytes - one.device_total_bytes
+                == two.item("communication_buffers").bytes - one.item("communication_buffers").bytes)
+    else:
+        # ZeRO-2 releases its bucket at the end of every backward: at the step, the peak here, no bucket is held
+        assert two.device_total_bytes == one.device_total_bytes
     offloaded = device_breakdown(big, layout(stage, 8, 1, "optimizer"))  # no step on the device: backward is the peak
     resident = sum(offloaded.item(key).bytes for key in ("parameters", "optimizer_states", "communication_buffers"))
     assert offloaded.device_total_bytes == resident + offloaded.item("reduction_copy").bytes
@@ -271,3 +275,32 @@ def test_any_deepspeed_json_gives_settings_the_estimate_takes_or_one_error_namin
         assert value is None or value == "auto" or (isinstance(value, int) and value >= 0 and not math.isnan(value))
     if isinstance(zero, dict) and options.prefetch_bucket_size != "auto" and options.reduce_bucket_size != "auto":
         device_breakdown(profile(), options)  # the arithmetic takes whatever was accepted
+
+
+@pytest.mark.parametrize("precision", ["bf16", "no"])
+def test_zero2_holds_its_bucket_and_gradient_partition_in_backward_only_and_steps_on_its_own_terms(precision):
+    """DeepSpeed's ZeRO-2 (stage_1_and_2.py, `contiguous_gradients`): the reduce bucket is made at each backward and
+    released at its end; gradients live in it (views) until a flush copies this rank's part out, into a partition
+    store made whole at the first flush (so only when P outgrows the bucket); at the step the partition is flattened
+    (a second copy) and made fp32 (no copy in fp32), then the optimizer runs with its temporary."""
+    p, s = 7_000_000_000, 8
+    b = 2 if precision == "bf16" else 4
+    states = ("parameters", "optimizer_states")
+    # no activations here: the step is the peak unless the bucket is huge
+    small = device_breakdown(profile(p, 500_000_000), layout("zero2", s, 1, mixed_precision=precision))
+    resident = sum(small.item(key).bytes for key in states)
+    step = max(2 * b * p / s + (4 * p / s if b == 2 else 0), 4 * p / s + small.item("step_temporaries").bytes)
+    backward = b * 500_000_000 + b * 500_000_000 + b * p / s  # bucket, its flattened copy, the partition store
+    assert small.device_total_bytes == round(resident + max(step, backward))
+    assert "communication_buffers" not in resident_keys("zero2", "none")
+    # a bucket larger than the model: backward holds the bucket and the flattened copy of all gradients, which
+    # then live in the bucket (no partition store before the end); that outgrows the step here
+    huge = device_breakdown(profile(p, 500_000_000), layout("zero2", s, 1, mixed_precision=precision,
+                                                           reduce_bucket_size=50_000_000_000))
+    assert huge.device_total_bytes == resident + b * 50_000_000_000 + b * p
+    # past the first flush the partition store is there too: a bucket just under P
+    under = device_breakdown(profile(p, 500_000_000), layout("zero2", s, 1, mixed_precision=precision,
+                                                            reduce_bucket_size=p - 1))
+    assert under.device_total_bytes == round(resident + b * (p - 1) + b * (p - 1) + b * p / s)
+    # offloaded (not read here from DeepSpeed's offload path), the bucket stays counted for the whole step
+    assert "communication_buffers" in resident_keys("zero2", "optimizer")
