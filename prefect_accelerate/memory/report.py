@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect_accelerate.memory.models import DeviceBreakdown, FitVerdict, MemoryEstimate
-from prefect_accelerate.memory.strategies import resident_keys
+from prefect_accelerate.memory.strategies import resident_keys, zero2_releases_its_bucket
 from prefect_accelerate.memory.table import render_table
 from prefect_accelerate.memory.units import human_bytes
 
@@ -55,8 +55,13 @@ def render_breakdown(b: DeviceBreakdown, estimate: MemoryEstimate | None = None)
     passing = "".join(f" + {item.label.lower()}" for item in b.device_items
                       if (item.key in ("prefetch_buffer", "reduction_copy")
                           or (item.key == "communication_buffers" and item.key not in held)) and item.bytes)
+    end = ""
+    if zero2_releases_its_bucket(b.strategy, b.offload):
+        step = ("the step (the gradient partition, its flattened copy and fp32 copy; or the fp32 partition with the "
+                "optimizer step temporaries)")
+        end = ", communication buffers + bucket reduction copy at the end of backward"
     lines.append(f"  {'Total per device':<{width}}  {b.device_total:>11}  peak: {resident} + max(activations + backward "
-                 f"temporaries{passing}, {step} + outputs kept through the step); live tensors, as "
+                 f"temporaries{passing}, {step} + outputs kept through the step{end}); live tensors, as "
                  "torch.cuda.max_memory_allocated counts them")
     lines.append(f"  {'All items added up':<{width}}  {human_bytes(b.all_items_bytes):>11}  an upper bound")
     lines.append(f"CPU memory per machine: {b.cpu_per_machine}")

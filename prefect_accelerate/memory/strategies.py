@@ -177,7 +177,9 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
         if stage == 1:
             grads = MemoryItem.of("gradients", "Gradients", b * p + 4 * p / s, f"{b} B x P + 4 B x P / S (full gradients, fp32 partition)")
         elif stage == 2:
-            grads = MemoryItem.of("gradients", "Gradients", (b + 4) * p / s, f"({b} + 4) B x P / S (partitioned)")
+            grads = MemoryItem.of("gradients", "Gradients", (b + 4) * p / s,
+                                  f"({b} + 4) B x P / S (partitioned; in backward they live in the reduce bucket until "
+                                  "a flush, see the total)")
         else:
             # one flat buffer, allocated when ZeRO-3 starts and kept (stage3.py, `grad_partitions_flat_buffer`), in the
             # gradient-accumulation dtype: the weights' unless the config says otherwise; resident (device_breakdown)
@@ -358,9 +360,11 @@ def _reduce_buckets(options: EstimateOptions, stage: int, b: int) -> MemoryItem:
     overlap = options.overlap_comm if options.overlap_comm is not None else stage == 3
     count = 2 if overlap and stage < 3 else 1
     where = "DeepSpeed's default" if options.reduce_bucket_size is None else "the DeepSpeed config's"
+    made = ("made at each backward and released at its end" if zero2_releases_its_bucket(options.strategy, options.offload)
+            else "allocated whole")
     return MemoryItem.of("communication_buffers", "Communication buffers", count * b * size,
                          f"ZeRO reduce bucket{'s: 2 x' if count == 2 else ':'} {b} B x reduce_bucket_size ({size:,} elements, "
-                         f"{where}; allocated whole){' (overlap_comm)' if count == 2 else ''}")
+                         f"{where}; {made}){' (overlap_comm)' if count == 2 else ''}")
 
 
 def _prefetch_buffer(profile: ModelProfile, options: EstimateOptions, b: int) -> MemoryItem:

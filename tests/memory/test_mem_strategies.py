@@ -304,3 +304,18 @@ def test_zero2_holds_its_bucket_and_gradient_partition_in_backward_only_and_step
     assert under.device_total_bytes == round(resident + b * (p - 1) + b * (p - 1) + b * p / s)
     # offloaded (not read here from DeepSpeed's offload path), the bucket stays counted for the whole step
     assert "communication_buffers" in resident_keys("zero2", "optimizer")
+
+
+def test_the_breakdown_says_where_zero2_holds_its_bucket():
+    """The report's total line names what the arithmetic does: ZeRO-2's bucket with backward (and the end of
+    backward's moment), not with the resident states; ZeRO-1 keeps the old line."""
+    from prefect_accelerate.memory.report import render_breakdown
+
+    zero2 = render_breakdown(device_breakdown(profile(), layout("zero2", 8, 1)))
+    total = next(line for line in zero2.splitlines() if "Total per device" in line)
+    resident, _, phases = total.partition("max(")
+    assert "communication buffers" not in resident and "at the end of backward" in phases
+    assert "made at each backward and released at its end" in zero2
+    zero1 = render_breakdown(device_breakdown(profile(), layout("zero1", 8, 1)))
+    total = next(line for line in zero1.splitlines() if "Total per device" in line)
+    assert "communication buffers" in total.partition("max(")[0] and "end of backward" not in total
