@@ -55,6 +55,12 @@ DS_CPU_BUFFER_FACTOR = 1.5
 BNB_BYTES_PER_STATE = 1 + 4 / 256
 
 
+def reduce_bucket_elements(options: EstimateOptions) -> int:
+    """ZeRO's `reduce_bucket_size` in elements: the DeepSpeed config's, else DeepSpeed's default ("auto" is filled
+    in before the arithmetic; an unfilled one counts as the default)."""
+    return options.reduce_bucket_size if isinstance(options.reduce_bucket_size, int) else DS_REDUCE_BUCKET
+
+
 def validate_layout(options: EstimateOptions) -> None:
     """Refuse layouts that no launcher can run, with the reason (one paragraph each)."""
     strategy, offload = options.strategy, options.offload
@@ -202,7 +208,7 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
         # reducing a bucket, ZeRO-1/2 flatten its gradient slices into a new tensor first (stage_1_and_2.py
         # `allreduce_and_scatter` -> `allreduce_bucket`: `self.flatten(bucket)`), on every rank, at each flush of
         # the bucket during backward and at its end: a copy of up to one bucket's contents
-        size = options.reduce_bucket_size if isinstance(options.reduce_bucket_size, int) else DS_REDUCE_BUCKET
+        size = reduce_bucket_elements(options)
         device.append(MemoryItem.of(
             "reduction_copy", "Bucket reduction copy", b * min(size, p),
             f"{b} B x min(reduce_bucket_size, P): the flattened copy of a bucket's gradients while it is reduced (backward)"))
@@ -281,7 +287,7 @@ def _zero2_phases(profile: ModelProfile, options: EstimateOptions, by_key: dict[
     """
     b = 2 if options.mixed_precision != "no" else 4
     local = profile.trainable_parameters / shard_factor(options)
-    size = options.reduce_bucket_size if isinstance(options.reduce_bucket_size, int) else DS_REDUCE_BUCKET
+    size = reduce_bucket_elements(options)
     flushed_early = profile.trainable_parameters > size
     partition = b * local if flushed_early else 0
     copy = by_key.get("reduction_copy", 0)
@@ -356,7 +362,7 @@ def deepspeed_json_settings(path: str) -> dict[str, Any]:
 def _reduce_buckets(options: EstimateOptions, stage: int, b: int) -> MemoryItem:
     """ZeRO's reduce bucket(s): `reduce_bucket_size` elements of the weights' dtype each, whatever the model's size;
     two for ZeRO-1/2 under `overlap_comm` (stage_1_and_2.py `setup_buckets`), one for ZeRO-3 (stage3.py)."""
-    size = options.reduce_bucket_size if isinstance(options.reduce_bucket_size, int) else DS_REDUCE_BUCKET
+    size = reduce_bucket_elements(options)
     overlap = options.overlap_comm if options.overlap_comm is not None else stage == 3
     count = 2 if overlap and stage < 3 else 1
     where = "DeepSpeed's default" if options.reduce_bucket_size is None else "the DeepSpeed config's"
