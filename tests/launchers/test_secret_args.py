@@ -60,11 +60,16 @@ def test_a_tracked_launch_stores_no_secret_argument(tmp_path, monkeypatch):
     assert received.read_text() == TOKEN  # the script itself got the real value
 
     async def stored() -> str:
+        # this run's records only: the session's server holds every other test's too, past the API's default limit
+        from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId,
+                                                    LogFilter, LogFilterFlowRunId)
+
+        run_id = state.state_details.flow_run_id
         async with get_client() as client:
-            run = await client.read_flow_run(state.state_details.flow_run_id)
-            tasks = await client.read_task_runs()
-            logs = await client.read_logs()
-            artifacts = await client.read_artifacts()
+            run = await client.read_flow_run(run_id)
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+            artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
             return "\n".join([
                 json.dumps(run.parameters, default=str),
                 json.dumps([t.task_inputs for t in tasks], default=str),

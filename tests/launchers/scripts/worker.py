@@ -15,13 +15,10 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
 
-
-@record
 def main() -> None:
+    """The modes that need no process group run before torch is imported (seconds on a loaded machine), so a test
+    with a short deadline sees their pids and grandchildren however slow the imports are."""
     rank = int(os.environ.get("RANK", "0"))
     pid_dir = os.environ.get("WORKER_PID_DIR")
     if pid_dir:
@@ -48,6 +45,15 @@ def main() -> None:
         print(f"rank {rank} sleeping", flush=True)
         time.sleep(600)
         return
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(collective)(mode)
+
+
+def collective(mode: str) -> None:
+    import torch
+    import torch.distributed as dist
+
     dist.init_process_group("gloo")
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)

@@ -214,10 +214,14 @@ def test_tracked_launch_with_a_credentials_block_keeps_secrets_out_of_prefect(aw
     assert "block-secret-value" not in everything_sent(aws) and FLAG_SECRET not in everything_sent(aws)
 
     async def stored() -> tuple[str, str]:
+        # this run's records only: the session's server holds every other test's too, past the API's default limit
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+
+        run_id = state.state_details.flow_run_id
         async with get_client() as client:
-            run = await client.read_flow_run(state.state_details.flow_run_id)
-            artifacts = await client.read_artifacts()
-            logs = await client.read_logs()
+            run = await client.read_flow_run(run_id)
+            artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
             return json.dumps(run.parameters, default=str), json.dumps([a.data for a in artifacts], default=str) + \
                 json.dumps([entry.message for entry in logs])
 
