@@ -11,7 +11,7 @@ Accelerate's loop under `torch.distributed.run` with 2 processes and gloo, wrapp
   Accelerate's default `fsdp_version: 1`, which is what the estimate's bookkeeping follows;
 - `fsdp2`: `fully_shard` per block and on the root (Accelerate's `fsdp_version: 2`), compared with the
   `fsdp_full_shard` estimate;
-- `zero2`, `zero3`: `deepspeed.initialize` as Accelerate's plugin configures it without a JSON file (the stage,
+- `zero1`, `zero2`, `zero3`: `deepspeed.initialize` as Accelerate's plugin configures it without a JSON file (the stage,
   bf16 when asked, DeepSpeed's defaults for the rest, the script's torch AdamW as client optimizer), on
   DeepSpeed's CPU accelerator (its shared-memory op left uncompiled: gloo does that work).
 
@@ -24,7 +24,7 @@ gloo's copies with its ratio. Gloo's collectives allocate on its own threads, so
 per-rank peak varies from run to run by a few units of one block's weights: that spread is printed, not
 smoothed. Nothing here passes or fails; no GPU is involved.
 
-    python bench/memory_sharded_cpu.py              # 6 layouts x 3 runs: about 5 minutes on 2 cores
+    python bench/memory_sharded_cpu.py              # 7 layouts x 3 runs: about 6 minutes on 2 cores
     python bench/memory_sharded_cpu.py --repeats 5 --only fsdp_full_shard
     python bench/memory_sharded_cpu.py --only zero2 --only zero3 --reduce_bucket_size 2000000 --overlap_comm on
     python bench/memory_sharded_cpu.py --only zero2 --only zero3 --accelerate_auto   # "auto" sizes, as Accelerate fills them
@@ -59,7 +59,7 @@ sys.path.insert(0, str(REPO / "tests" / "shims"))  # torchvision shim (CPU torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LAYOUTS = {"ddp": "ddp", "fsdp_full_shard": "fsdp_full_shard", "fsdp_shard_grad_op": "fsdp_shard_grad_op",
-           "fsdp2": "fsdp_full_shard", "zero2": "zero2", "zero3": "zero3"}  # layout run -> strategy estimated
+           "fsdp2": "fsdp_full_shard", "zero1": "zero1", "zero2": "zero2", "zero3": "zero3"}  # layout run -> strategy estimated
 BATCH, SEQ, STEPS, PROCESSES = 4, 128, 3, 2
 
 

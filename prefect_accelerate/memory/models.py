@@ -71,6 +71,9 @@ class EstimateOptions(_Frozen):
     overlap_comm: bool | None = Field(
         None, description="DeepSpeed's `zero_optimization.overlap_comm` (ZeRO-1/2 then keep two reduce buckets); None: "
                           "DeepSpeed's default, on for ZeRO-3 only")
+    contiguous_gradients: bool | None = Field(
+        None, description="DeepSpeed's `zero_optimization.contiguous_gradients`; None: DeepSpeed's default, true (the only "
+                          "path the estimate models: false is reported as not modelled)")
     prefetch_bucket_size: int | Literal["auto"] | None = Field(
         None, description="DeepSpeed's `zero_optimization.stage3_prefetch_bucket_size` (elements; 'auto': Accelerate fills "
                           "in 0.9 x hidden_size squared); None: DeepSpeed's default, 5e7")
@@ -255,6 +258,8 @@ class DeviceBreakdown(_Frozen):
     mixed_precision: MixedPrecision
     optimizer: Optimizer
     offload: Offload
+    overlap_comm: bool | None = Field(None, description="ZeRO layouts: DeepSpeed's overlap_comm as estimated (its "
+                                                        "default: on for ZeRO-3, off below); None for the others")
     gradient_checkpointing: bool
     batch_size: int
     seq_len: int | None

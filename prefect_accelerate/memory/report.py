@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect_accelerate.memory.models import DeviceBreakdown, FitVerdict, MemoryEstimate
-from prefect_accelerate.memory.strategies import resident_keys, zero2_releases_its_bucket
+from prefect_accelerate.memory.strategies import resident_keys, zero1_reduces_after_backward, zero_releases_its_bucket
 from prefect_accelerate.memory.table import render_table
 from prefect_accelerate.memory.units import human_bytes
 
@@ -52,14 +52,18 @@ def render_breakdown(b: DeviceBreakdown, estimate: MemoryEstimate | None = None)
     step = "optimizer step temporaries" if "gradients" in held else "gradients + optimizer step temporaries"
     # ZeRO's items held in forward and backward only (strategies.device_breakdown adds them there; ZeRO-2's reduce
     # bucket, made and released by each backward, too)
+    # (ZeRO-1 reduces after backward by default: its copy comes when the activations are gone)
+    after = zero1_reduces_after_backward(b.strategy, b.offload, b.overlap_comm)
     passing = "".join(f" + {item.label.lower()}" for item in b.device_items
-                      if (item.key in ("prefetch_buffer", "reduction_copy")
+                      if (item.key == "prefetch_buffer" or (item.key == "reduction_copy" and not after)
                           or (item.key == "communication_buffers" and item.key not in held)) and item.bytes)
     end = ""
-    if zero2_releases_its_bucket(b.strategy, b.offload):
+    if zero_releases_its_bucket(b.strategy, b.offload):
         step = ("the step (the gradient partition, its flattened copy and fp32 copy; or the fp32 partition with the "
                 "optimizer step temporaries)")
-        end = ", communication buffers + bucket reduction copy at the end of backward"
+        end = (", communication buffers + gradients after backward (moved into the bucket and reduced; the partition "
+               "store too when they outgrow one bucket)" if after else
+               ", communication buffers + bucket reduction copy at the end of backward")
     lines.append(f"  {'Total per device':<{width}}  {b.device_total:>11}  peak: {resident} + max(activations + backward "
                  f"temporaries{passing}, {step} + outputs kept through the step{end}); live tensors, as "
                  "torch.cuda.max_memory_allocated counts them")

@@ -180,9 +180,11 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
         grads = MemoryItem.of("gradients", "Gradients", 0, "reduced in buckets and copied to CPU")
         states = MemoryItem.of("optimizer_states", "Optimizer states", 0, "offloaded to CPU")
     else:
-        if stage == 1:
-            grads = MemoryItem.of("gradients", "Gradients", b * p + 4 * p / s, f"{b} B x P + 4 B x P / S (full gradients, fp32 partition)")
-        elif stage == 2:
+        if stage == 1 and zero1_reduces_after_backward(options.strategy, options.offload, options.overlap_comm):
+            grads = MemoryItem.of("gradients", "Gradients", b * p,
+                                  f"{b} B x P (full gradients, made in backward; after it moved into the reduce bucket "
+                                  "and reduced, see the total)")
+        elif stage in (1, 2):
             grads = MemoryItem.of("gradients", "Gradients", (b + 4) * p / s,
                                   f"({b} + 4) B x P / S (partitioned; in backward they live in the reduce bucket until "
                                   "a flush, see the total)")
@@ -246,21 +248,30 @@ def offload_from_devices(param_device: Any, optimizer_device: Any) -> str:
 def resident_keys(strategy: str, offload: str) -> tuple[str, ...]:
     """The device items held for the whole step. ZeRO-3 keeps its gradient partition from start-up (without
     offload); every other layout makes its gradients in backward. ZeRO-2 without offload makes its reduce bucket
-    at each backward and releases it at the end (`_zero2_phases`)."""
+    at each backward and releases it at the end (`_zero12_phases`); so does ZeRO-1, after the reduction that
+    follows backward."""
     keys = ("parameters", "optimizer_states", "gathered_layers", "kept_gathered")
     if strategy == "zero3" and offload == "none":
         return (*keys, "communication_buffers", "gradients")
-    return keys if zero2_releases_its_bucket(strategy, offload) else (*keys, "communication_buffers")
+    return keys if zero_releases_its_bucket(strategy, offload) else (*keys, "communication_buffers")
 
 
-def zero2_releases_its_bucket(strategy: str, offload: str) -> bool:
-    """ZeRO-2 without offload (`contiguous_gradients`, DeepSpeed's default): the reduce bucket lives through
-    backward only (see `_zero2_phases`)."""
-    return strategy == "zero2" and offload == "none"
+def zero_releases_its_bucket(strategy: str, offload: str) -> bool:
+    """ZeRO-1 and ZeRO-2 without offload (`contiguous_gradients`, DeepSpeed's default): the reduce bucket lives
+    through backward (and, for ZeRO-1, the reduction after it) only (see `_zero12_phases`)."""
+    return strategy in ("zero1", "zero2") and offload == "none"
 
 
-def _zero2_phases(profile: ModelProfile, options: EstimateOptions, by_key: dict[str, float]) -> tuple[int, int, int, int]:
-    """What ZeRO-2 without offload holds beyond its resident states in backward, and at the optimizer step.
+def zero1_reduces_after_backward(strategy: str, offload: str, overlap_comm: bool | None) -> bool:
+    """ZeRO-1 without offload and without `overlap_comm` (off unless asked for, below ZeRO-3): backward makes
+    every gradient whole, as plain data parallelism does; the reduction runs after it (`reduce_gradients`), not in
+    backward's hooks."""
+    return strategy == "zero1" and offload == "none" and not overlap_comm
+
+
+def _zero12_phases(profile: ModelProfile, options: EstimateOptions, by_key: dict[str, float]) -> tuple[int, int, int, int]:
+    """What ZeRO-1 or ZeRO-2 without offload holds beyond its resident states in backward, at the end of backward,
+    and at the optimizer step.
 
     Read from DeepSpeed 0.19.8's stage_1_and_2.py (`contiguous_gradients`, its default), and seen in the profile of
     a real rank's live blocks at its peak (docs/memory.md, "the real process layouts on families other than Llama"):
@@ -280,10 +291,29 @@ def _zero2_phases(profile: ModelProfile, options: EstimateOptions, by_key: dict[
       converted to fp32 for the optimizer (4 B x P / S; no copy when b is 4), then the 16-bit ones are freed and
       the optimizer runs on the fp32 partition with its own temporaries: the larger of the two moments.
 
-    Returns what backward holds beyond the activations' phases (the bucket; when the gradients outgrow one bucket,
-    the partition store and a bucket's copy too, counted for the whole of backward: a real rank's first flush came
-    with nearly every activation still alive), the step's hold, the end of backward's hold (each beyond the resident
-    states, without the loop's outputs), and the reduction copy.
+    ZeRO-1 with `overlap_comm` reduces in backward's hooks as ZeRO-2 does, with the same memory (the gradients of
+    other ranks' partitions stay views into the bucket rather than being dropped). Without it (its default), read
+    from the same file and seen in a real rank's live blocks at its peak (docs/memory.md):
+
+    - backward: the bucket is made at the first gradient (`process_gradients` -> `setup_buckets`) and nothing else
+      happens in the hooks, so every gradient is made whole (b B x P by backward's end, counted as it grows, as for
+      plain data parallelism) beside the bucket.
+    - after backward (`reduce_gradients`): each gradient is copied into the bucket and becomes a view of it (its
+      own storage freed), a full bucket is flattened and reduced, this rank's part copied into the partition store
+      (made at the first flush), and the epilogue releases the bucket and drops the gradients. The first flush's
+      copy stands in for the gradients already moved, so this moment holds the bucket and b B x P; from the second
+      flush on the store is there too, with one bucket's worth fewer gradients still to move.
+    - the step: as ZeRO-2's.
+    - when the gradients outgrow one bucket (several flushes a step), some real runs still held one more
+      bucket-sized block from the previous step's reduction at the next backward's peak (the old bucket, or a
+      flush's flattened copy; 1 of 3 bench runs, with Python's garbage collector on and off): counted in backward
+      and after it, as the copy's size.
+
+    Returns what backward holds beyond the activations' phases and the gradients made in it (the bucket; for ZeRO-2
+    or overlapped ZeRO-1 when the gradients outgrow one bucket, the partition store and a bucket's copy too,
+    counted for the whole of backward: a real rank's first flush came with nearly every activation still alive),
+    the step's hold, the end of backward's hold (each beyond the resident states, without the loop's outputs), and
+    the reduction copy.
     """
     b = 2 if options.mixed_precision != "no" else 4
     local = profile.trainable_parameters / shard_factor(options)
@@ -291,9 +321,18 @@ def _zero2_phases(profile: ModelProfile, options: EstimateOptions, by_key: dict[
     flushed_early = profile.trainable_parameters > size
     partition = b * local if flushed_early else 0
     copy = by_key.get("reduction_copy", 0)
-    backward = by_key["communication_buffers"] + partition + (copy if flushed_early else 0)
+    bucket = by_key["communication_buffers"]
     step = max(2 * b * local + (4 * local if b != 4 else 0), 4 * local + by_key["step_temporaries"])
-    end = by_key["communication_buffers"] + partition + copy
+    if zero1_reduces_after_backward(options.strategy, options.offload, options.overlap_comm):
+        # several flushes a step: one more bucket-sized block from the previous step's reduction (its bucket or a
+        # flush's flattened copy) was still alive at the next backward's peak in some real runs, allocated by
+        # DeepSpeed in that reduction and no longer referenced by any Python object after the step (what keeps
+        # it was not found); counted, as the lean-safe reading of a timing the estimate cannot know
+        lingering = copy if flushed_early else 0
+        end = bucket + b * profile.trainable_parameters + max(partition - copy, 0) + lingering
+        return round(bucket + lingering), round(step), round(end), round(copy)
+    backward = bucket + partition + (copy if flushed_early else 0)
+    end = bucket + partition + copy
     return round(backward), round(step), round(end), round(copy)
 
 
@@ -308,12 +347,13 @@ DS_JSON_ELEMENTS: dict[str, tuple[tuple[str, ...], int, int, bool]] = {
     "sub_group_size": (("sub_group_size",), 0, DS_SUB_GROUP, False),
 }
 #: The EstimateOptions fields a DeepSpeed config sets (besides the stage and offload)
-DS_JSON_OPTIONS = (*DS_JSON_ELEMENTS, "overlap_comm")
+DS_JSON_OPTIONS = (*DS_JSON_ELEMENTS, "overlap_comm", "contiguous_gradients")
 
 
 def deepspeed_json_settings(path: str) -> dict[str, Any]:
     """What a DeepSpeed JSON config says about the memory layout: ``stage``, ``offload`` (our name), the element
-    counts of DS_JSON_ELEMENTS (or "auto" where Accelerate fills them in) and ``overlap_comm``; keys it leaves out
+    counts of DS_JSON_ELEMENTS (or "auto" where Accelerate fills them in), ``overlap_comm`` and
+    ``contiguous_gradients``; keys it leaves out
     are absent. Raises UsageError naming the file and field."""
     import json
 
@@ -350,8 +390,9 @@ def deepspeed_json_settings(path: str) -> dict[str, Any]:
             filled = ' or "auto" under Accelerate' if auto else ' (Accelerate does not fill in "auto" here)'
             raise UsageError(f"`zero_optimization.{key}` in the DeepSpeed config {path} is {value!r}: DeepSpeed takes a "
                              f"whole number of elements, at least {least} (its default is {default}){filled}.")
-    if isinstance(zero.get("overlap_comm"), bool):
-        found["overlap_comm"] = zero["overlap_comm"]
+    for switch in ("overlap_comm", "contiguous_gradients"):
+        if isinstance(zero.get(switch), bool):
+            found[switch] = zero[switch]
     devices = {name: zero[name].get("device") if isinstance(zero.get(name), dict) else None
                for name in ("offload_param", "offload_optimizer")}
     if any(device is not None for device in devices.values()):
@@ -366,7 +407,7 @@ def _reduce_buckets(options: EstimateOptions, stage: int, b: int) -> MemoryItem:
     overlap = options.overlap_comm if options.overlap_comm is not None else stage == 3
     count = 2 if overlap and stage < 3 else 1
     where = "DeepSpeed's default" if options.reduce_bucket_size is None else "the DeepSpeed config's"
-    made = ("made at each backward and released at its end" if zero2_releases_its_bucket(options.strategy, options.offload)
+    made = ("made at each backward and released at its end" if zero_releases_its_bucket(options.strategy, options.offload)
             else "allocated whole")
     return MemoryItem.of("communication_buffers", "Communication buffers", count * b * size,
                          f"ZeRO reduce bucket{'s: 2 x' if count == 2 else ':'} {b} B x reduce_bucket_size ({size:,} elements, "
@@ -459,12 +500,15 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     if unreached_note:
         notes.append(unreached_note)
 
+    # DDP and ZeRO-1 reducing after backward make each weight's whole gradient while the activations are alive
+    whole = strategy == "ddp" or zero1_reduces_after_backward(strategy, options.offload, options.overlap_comm)
     activation_item, backward, backward_formula, act_notes, method = _activation_items(
-        profile.activations, options, strategy == "ddp" and mp, whole_gradients=strategy == "ddp")
-    if strategy == "ddp" and method == "traced" and not profile.activations.head_backward_measured:
+        profile.activations, options, strategy == "ddp" and mp, whole_gradients=whole)
+    if whole and method == "traced" and not profile.activations.head_backward_measured:
         # the first gradients (head / embedding) appear while every activation is still alive
-        backward += 4 * profile.largest_tensor_numel
-        backward_formula += " + 4 B x the largest weight (its gradient comes first)"
+        width = 4 if strategy == "ddp" or not mp else 2
+        backward += width * profile.largest_tensor_numel
+        backward_formula += f" + {width} B x the largest weight (its gradient comes first)"
     notes.extend(act_notes)
     device.append(activation_item)
     device.append(MemoryItem.of("backward_temporaries", "Backward temporaries", backward, backward_formula))
@@ -481,10 +525,12 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     in_flight, reducing = by_key.get("prefetch_buffer", 0), by_key.get("reduction_copy", 0)
     step = made_gradients + by_key["step_temporaries"] + by_key["loop_outputs"]
     end_of_backward = 0
-    if zero2_releases_its_bucket(strategy, options.offload):
-        # its bucket and, past the first flush, its gradient partition through backward; the step on its own terms
-        in_backward, step_hold, end, copy = _zero2_phases(profile, options, by_key)
-        reducing, made_gradients = reducing - copy + in_backward, 0
+    if zero_releases_its_bucket(strategy, options.offload):
+        # its bucket and, past the first flush, its gradient partition through backward (ZeRO-1 by default: the bucket
+        # beside whole gradients, reduced after backward); the step on its own terms
+        in_backward, step_hold, end, copy = _zero12_phases(profile, options, by_key)
+        reducing = reducing - copy + in_backward
+        made_gradients = made_gradients if zero1_reduces_after_backward(options.strategy, options.offload, options.overlap_comm) else 0
         step = step_hold + by_key["loop_outputs"]
         end_of_backward = end + by_key["loop_outputs"]
     forward_backward = by_key["activations"] + by_key["backward_temporaries"] + in_flight + reducing
@@ -502,8 +548,13 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
                          f"({human_bytes(last_block)} besides the resident states).")
     forward = _forward_phase(profile.activations, options) + by_key["loop_outputs"] + in_flight
     if end_of_backward > max(forward_backward, last_block, step, forward):
-        notes.append(f"The peak comes at the end of backward, when ZeRO-2 reduces its last bucket: the bucket and its "
-                     f"flattened copy ({human_bytes(end_of_backward)} besides the resident states).")
+        if zero1_reduces_after_backward(options.strategy, options.offload, options.overlap_comm):
+            notes.append(f"The peak comes after backward, when ZeRO-1 moves the whole gradients into its bucket and reduces "
+                         f"them ({human_bytes(end_of_backward)} besides the resident states).")
+        else:
+            notes.append(f"The peak comes at the end of backward, when {strategy.upper().replace('ZERO', 'ZeRO')} reduces "
+                         f"its last bucket: the bucket and its flattened copy ({human_bytes(end_of_backward)} besides the "
+                         "resident states).")
     if forward > max(forward_backward, last_block, step, end_of_backward):
         notes.append(f"The peak comes during the forward: its temporaries of the moment outgrow what backward holds "
                      f"({human_bytes(forward)} besides the resident states, the previous step's outputs included).")
@@ -515,6 +566,8 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     return DeviceBreakdown(
         strategy=strategy, world_size=n, num_machines=m, processes_per_machine=per_machine, shard_factor=s,
         mixed_precision=options.mixed_precision, optimizer=options.optimizer, offload=options.offload,
+        overlap_comm=(options.overlap_comm if options.overlap_comm is not None else strategy == "zero3")
+        if strategy in DEEPSPEED_STRATEGIES else None,
         gradient_checkpointing=options.gradient_checkpointing,
         batch_size=options.batch_size,
         seq_len=profile.activations.seq_len if profile.activations else options.seq_len,
