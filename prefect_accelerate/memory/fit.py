@@ -171,6 +171,10 @@ def unmodelled_paths(estimate: MemoryEstimate) -> list[str]:
         found.append("flash attention on a head dim padded to a multiple of 8 (not yet confirmed on a GPU)")
     if acts is not None and UNKNOWN_AUTOCAST in acts.attention_detail:
         found.append("ops whose CUDA autocast policy this package has not transcribed (traced in fp32)")
+    if options.strategy in DEEPSPEED_STRATEGIES and options.contiguous_gradients is False:
+        # every ZeRO rule here follows DeepSpeed's contiguous path (stage_1_and_2.py, stage3.py): the bucket each
+        # gradient is copied into; without it gradients stay separate tensors and are flattened to be reduced
+        found.append("DeepSpeed's `contiguous_gradients: false` (the estimate follows its default, true)")
     config = estimate.source.config or {}
     if config.get("auto_map"):
         found.append("the model's own modeling code (config `auto_map`)")

@@ -31,7 +31,7 @@ from prefect_accelerate.memory.models import EstimateOptions, ModelSource
 PROFILE_CACHE_ENV = "PREFECT_ACCELERATE_PROFILE_CACHE"
 #: Options that only change the arithmetic over a profile, never the build or the trace.
 _LAYOUT_ONLY = ("strategy", "num_processes", "num_machines", "offload", "optimizer", "gradient_checkpointing", "dtypes",
-                "reduce_bucket_size", "overlap_comm", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
+                "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
                 "sub_group_size")
 SCHEMA = 1
 

@@ -244,6 +244,20 @@ def test_the_deepspeed_config_gives_zero3s_prefetch_and_reuse_settings(run_cli, 
     assert payload["estimate"]["options"]["sub_group_size"] == 0  # each weight a sub-group of its own
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_contiguous_gradients_false_is_said_to_be_unmodelled_and_widens_the_margin(run_cli, zoo, tmp_path, stage):
+    """Every ZeRO rule here follows DeepSpeed's contiguous path (its default); a JSON that turns it off is read, and
+    the verdict says it met a path it does not model (so 'Fits' needs the wider margin); left at its default, not."""
+    ds = _deepspeed_json(tmp_path, stage=stage, contiguous_gradients=False)
+    code, out, err = run_cli(zoo["tiny-llama"], "--deepspeed_config_file", ds, "--device_memory", "80GiB")
+    assert code == 0 and "Traceback" not in err
+    assert "Not modelled: DeepSpeed's `contiguous_gradients: false`" in out
+    payload = json.loads(run_cli(zoo["tiny-llama"], "--deepspeed_config_file", ds, "--json")[1])
+    assert payload["estimate"]["options"]["contiguous_gradients"] is False
+    ds = _deepspeed_json(tmp_path, stage=stage, contiguous_gradients=True)
+    assert "contiguous_gradients" not in run_cli(zoo["tiny-llama"], "--deepspeed_config_file", ds, "--device_memory", "80GiB")[1]
+
+
 @pytest.mark.parametrize("zero,argv,message", [
     ({"stage": 2}, ["--strategy", "zero3"], "disagrees with `zero_optimization.stage: 2`"),
     ({"reduce_bucket_size": "big"}, [], "`zero_optimization.reduce_bucket_size`"),
