@@ -211,9 +211,11 @@ def _deepspeed(profile: ModelProfile, options: EstimateOptions, opt: tuple[float
         # `allreduce_and_scatter` -> `allreduce_bucket`: `self.flatten(bucket)`), on every rank, at each flush of
         # the bucket during backward and at its end: a copy of up to one bucket's contents
         size = reduce_bucket_elements(options)
+        when = ("after backward" if zero1_reduces_after_backward(options.strategy, offload, options.overlap_comm)
+                else "backward")
         device.append(MemoryItem.of(
             "reduction_copy", "Bucket reduction copy", b * min(size, p),
-            f"{b} B x min(reduce_bucket_size, P): the flattened copy of a bucket's gradients while it is reduced (backward)"))
+            f"{b} B x min(reduce_bucket_size, P): the flattened copy of a bucket's gradients while it is reduced ({when})"))
     # ZeRO-3 steps one sub-group at a time; a sub-group closes once it reaches sub_group_size, so it can pass it by one
     # weight's partition (stage3.py, `_create_fp16_sub_groups`)
     sub = DS_SUB_GROUP if options.sub_group_size is None else options.sub_group_size

@@ -354,6 +354,7 @@ def test_the_breakdown_says_where_zero12_hold_their_buckets():
     resident, _, phases = total.partition("max(")
     assert "communication buffers" not in resident and "gradients after backward" in phases
     assert "bucket reduction copy" not in phases  # its flushes come after backward, with the activations gone
+    assert "(after backward)" in next(line for line in zero1.splitlines() if "Bucket reduction copy" in line)
     offloaded = render_breakdown(device_breakdown(profile(), layout("zero1", 8, 1, "optimizer")))
     total = next(line for line in offloaded.splitlines() if "Total per device" in line)
     assert "communication buffers" in total.partition("max(")[0] and "end of backward" not in total
