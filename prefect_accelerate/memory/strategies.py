@@ -328,8 +328,9 @@ def _zero12_phases(profile: ModelProfile, options: EstimateOptions, by_key: dict
     if zero1_reduces_after_backward(options.strategy, options.offload, options.overlap_comm):
         # several flushes a step: one more bucket-sized block from the previous step's reduction (its bucket or a
         # flush's flattened copy) was still alive at the next backward's peak in some real runs, allocated by
-        # DeepSpeed in that reduction and no longer referenced by any Python object after the step (what keeps
-        # it was not found); counted, as the lean-safe reading of a timing the estimate cannot know
+        # DeepSpeed in that reduction and, with the garbage collector off, referenced by no Python object after
+        # the step (what keeps it was not found); counted, as the lean-safe reading of a timing the estimate
+        # cannot know
         lingering = copy if flushed_early else 0
         end = bucket + b * profile.trainable_parameters + max(partition - copy, 0) + lingering
         return round(bucket + lingering), round(step), round(end), round(copy)
