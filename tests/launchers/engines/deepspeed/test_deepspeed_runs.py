@@ -25,6 +25,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from helpers import fakebin  # noqa: E402
+from helpers.processes import assert_all_gone  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[4]
 SCRIPTS = REPO / "tests" / "launchers" / "scripts"
@@ -51,15 +52,6 @@ def port():
 
 def run(argv, tmp_path, timeout=240, **env):
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env={**os.environ, **env})
-
-
-def assert_all_gone(pids, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [pid for pid in alive if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.2)
-    assert not alive, f"processes still alive: {alive}"
 
 
 @pytest.mark.parametrize("stage, precision, files", [

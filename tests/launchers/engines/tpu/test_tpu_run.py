@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+from helpers.processes import running
 
 from prefect_accelerate.launchers import plan_launch
 from prefect_accelerate.launchers.engines.tpu import plan as tpu_launcher
@@ -151,7 +151,7 @@ def wait_gone(pids: list[int], timeout: float = 30) -> list[int]:
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in alive if running(p)]
         time.sleep(0.2)
     return alive
 
