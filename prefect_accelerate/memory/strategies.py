@@ -61,6 +61,11 @@ def reduce_bucket_elements(options: EstimateOptions) -> int:
     return options.reduce_bucket_size if isinstance(options.reduce_bucket_size, int) else DS_REDUCE_BUCKET
 
 
+def overlap_comm_of(options: EstimateOptions) -> bool:
+    """DeepSpeed's `overlap_comm` as it runs: the config's, else its default (on for ZeRO-3 only)."""
+    return options.overlap_comm if options.overlap_comm is not None else options.strategy == "zero3"
+
+
 def validate_layout(options: EstimateOptions) -> None:
     """Refuse layouts that no launcher can run, with the reason (one paragraph each)."""
     strategy, offload = options.strategy, options.offload
@@ -407,8 +412,7 @@ def _reduce_buckets(options: EstimateOptions, stage: int, b: int) -> MemoryItem:
     """ZeRO's reduce bucket(s): `reduce_bucket_size` elements of the weights' dtype each, whatever the model's size;
     two for ZeRO-1/2 under `overlap_comm` (stage_1_and_2.py `setup_buckets`), one for ZeRO-3 (stage3.py)."""
     size = reduce_bucket_elements(options)
-    overlap = options.overlap_comm if options.overlap_comm is not None else stage == 3
-    count = 2 if overlap and stage < 3 else 1
+    count = 2 if overlap_comm_of(options) and stage < 3 else 1
     where = "DeepSpeed's default" if options.reduce_bucket_size is None else "the DeepSpeed config's"
     made = ("made at each backward and released at its end" if zero_releases_its_bucket(options.strategy, options.offload)
             else "allocated whole")
@@ -504,7 +508,8 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
         notes.append(unreached_note)
 
     # DDP and ZeRO-1 reducing after backward make each weight's whole gradient while the activations are alive
-    whole = strategy == "ddp" or zero1_reduces_after_backward(strategy, options.offload, options.overlap_comm)
+    after_backward = zero1_reduces_after_backward(strategy, options.offload, options.overlap_comm)
+    whole = strategy == "ddp" or after_backward
     activation_item, backward, backward_formula, act_notes, method = _activation_items(
         profile.activations, options, strategy == "ddp" and mp, whole_gradients=whole)
     if whole and method == "traced" and not profile.activations.head_backward_measured:
@@ -533,7 +538,7 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
         # beside whole gradients, reduced after backward); the step on its own terms
         in_backward, step_hold, end, copy = _zero12_phases(profile, options, by_key)
         reducing = reducing - copy + in_backward
-        made_gradients = made_gradients if zero1_reduces_after_backward(options.strategy, options.offload, options.overlap_comm) else 0
+        made_gradients = made_gradients if after_backward else 0
         step = step_hold + by_key["loop_outputs"]
         end_of_backward = end + by_key["loop_outputs"]
     forward_backward = by_key["activations"] + by_key["backward_temporaries"] + in_flight + reducing
@@ -551,7 +556,7 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
                          f"({human_bytes(last_block)} besides the resident states).")
     forward = _forward_phase(profile.activations, options) + by_key["loop_outputs"] + in_flight
     if end_of_backward > max(forward_backward, last_block, step, forward):
-        if zero1_reduces_after_backward(options.strategy, options.offload, options.overlap_comm):
+        if after_backward:
             notes.append(f"The peak comes after backward, when ZeRO-1 moves the whole gradients into its bucket and reduces "
                          f"them ({human_bytes(end_of_backward)} besides the resident states).")
         else:
@@ -569,8 +574,7 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
     return DeviceBreakdown(
         strategy=strategy, world_size=n, num_machines=m, processes_per_machine=per_machine, shard_factor=s,
         mixed_precision=options.mixed_precision, optimizer=options.optimizer, offload=options.offload,
-        overlap_comm=(options.overlap_comm if options.overlap_comm is not None else strategy == "zero3")
-        if strategy in DEEPSPEED_STRATEGIES else None,
+        overlap_comm=overlap_comm_of(options) if strategy in DEEPSPEED_STRATEGIES else None,
         gradient_checkpointing=options.gradient_checkpointing,
         batch_size=options.batch_size,
         seq_len=profile.activations.seq_len if profile.activations else options.seq_len,
