@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -188,6 +190,7 @@ def trace_activations(
         for handle in handles:
             handle.remove()
 
+    recorder.forward_done()
     # a KV cache the output holds: its tensors are mostly the keys/values attention saved anyway; any it
     # holds besides those (transformers may cache keys in another dtype) are alive from forward on
     # (per cache layer, counting each storage once, at the first layer that holds it)
@@ -218,6 +221,7 @@ def trace_activations(
     per_layer = [recorder.saved_in[i] for i in range(count)]
     inputs = [recorder.inputs_of[i] for i in range(count)]
     casts = [recorder.casts_in[i] for i in range(count)]
+    carries = [recorder.carry.get(i, 0) for i in range(count)]
     # per block call, for the phases of backward one by one (strategies._block_phases): at the highest point of
     # its own backward, what it saved plus its activations' rise, and the weights' gradients made by then; and
     # whose gradients its backward makes (a call with no backward, under no_grad, holds and makes none)
@@ -237,7 +241,7 @@ def trace_activations(
         def spread(figures: list) -> list:
             return [figures[j] for j in repeats] if figures else figures
 
-        per_layer, inputs, casts = spread(per_layer), spread(inputs), spread(casts)
+        per_layer, inputs, casts, carries = spread(per_layer), spread(inputs), spread(casts), spread(carries)
         peaks, peak_grads, block_params, recomputes = spread(peaks), spread(peak_grads), spread(block_params), spread(recomputes)
         # saved outside the blocks before block i like before the block it repeats; the head stays the head
         gaps = [gaps[j] for j in repeats] + gaps[-1:]
@@ -282,6 +286,7 @@ def trace_activations(
         unreached_parameters=_unreached_parameters(model, measured.unreached, repeats) if every_block else 0,
         forward_peak_bytes=_forward_peak(forward, count, repeats) if repeats else forward.peak,
         block_forward_rise_bytes=max(forward.rises.values(), default=0),
+        block_carry_bytes=carries,
         forward_measured=True,
         autocast_weight_copy_bytes=cast_total,
         cache_bytes=sum(cache_all),
@@ -349,6 +354,9 @@ class _SavedTensorRecorder:
         self.saved_inputs_in: dict[int, int] = {}
         #: counts live memory through the forward: its peak, and each block call's rise above its start
         self.forward_meter: _LiveBytes | None = None
+        #: per block call: what the model still held of the previous call's outputs when this one started (`carry_of`)
+        self.carry: dict[int, int] = {}
+        self._last_output: Any = None
 
     def pack(self, tensor: Any) -> Any:
         base = tensor._base if tensor._base is not None else tensor
@@ -394,27 +402,57 @@ class _SavedTensorRecorder:
         for table in (self.saved_in, self.casts_in, self.inputs_of, self.block_peak, self.saved_inputs_in):
             table.setdefault(index, 0)
         self.current = index
-        # what activation checkpointing keeps of this block: its floating-point tensor inputs
-        for value in list(args) + list(kwargs.values()):
-            for tensor in _tensors_in(value):
-                base = tensor._base if tensor._base is not None else tensor
-                self.own_inputs.setdefault(index, set()).add(id(base))
-                if tensor.requires_grad and tensor.is_floating_point():
-                    self.block_in.setdefault(index, tensor)
-                key = id(tensor)
-                if key not in self.input_ids and key not in self.params and tensor.is_floating_point():
-                    self.input_ids.add(key)
-                    self.keep.append(tensor)
-                    self.inputs_of[index] += _nbytes(tensor)
+        # what activation checkpointing keeps of this block: its floating-point tensor inputs. They are not held
+        # here (a mask or position table the stack passes to every block dies when the stack returns, before the
+        # head runs, and the forward's live count must see that): an id leaves `input_ids` when its tensor dies,
+        # so a later tensor that gets the id is counted
+        inputs = [tensor for value in list(args) + list(kwargs.values()) for tensor in _tensors_in(value)]
+        for tensor in inputs:
+            base = tensor._base if tensor._base is not None else tensor
+            self.own_inputs.setdefault(index, set()).add(id(base))
+            if tensor.requires_grad and tensor.is_floating_point():
+                self.block_in.setdefault(index, tensor)
+            key = id(tensor)
+            if key not in self.input_ids and key not in self.params and tensor.is_floating_point():
+                self.input_ids.add(key)
+                weakref.finalize(tensor, self.input_ids.discard, key)
+                self.inputs_of[index] += _nbytes(tensor)
+        # CPython's reference count tells whether the model still holds the previous call's output: `last` and
+        # getrefcount's own argument are two
+        last, self._last_output = self._last_output, None
+        self.carry[index] = carry_of(last, inputs) if last is not None and sys.getrefcount(last) > 2 else 0
+
+    def forward_done(self) -> None:
+        """Let go of the last block call's output, so that backward sees it freed when the model lets go of it."""
+        self._last_output = None
 
     def leave_layer(self, module: Any, args: tuple, output: Any) -> None:
         if self.current is not None and self.layer_index[self.current] == id(module):
             first = next((t for t in _tensors_in(output) if t.requires_grad and t.is_floating_point()), None)
             if first is not None:
                 self.block_out[self.current] = first
+            self._last_output = output
             if self.forward_meter is not None:
                 self.forward_meter.close(self.current)
             self.current = None
+
+
+def carry_of(output: Any, inputs: list[Any]) -> int:
+    """The bytes of a block call's output, still held by the model when the next block call starts, besides that
+    call's inputs. A stack that runs ``outputs = block(...); hidden = outputs[0]`` keeps the whole tuple, attention
+    weights included, until the next call returns (the caller asks whether it is held); ``hidden = block(...)[0]``
+    keeps nothing, and a block that returns its hidden state alone passes it on as the next call's input. Without
+    checkpointing such weights are mostly saved for backward anyway; under checkpointing they are not, and the
+    forward holds them beside the next block's temporaries."""
+    if hasattr(output, "untyped_storage"):
+        return 0
+    taken = {id(tensor.untyped_storage()) for tensor in inputs}
+    held: dict[int, int] = {}
+    for tensor in _tensors_in(output):
+        storage = tensor.untyped_storage()
+        if tensor.is_floating_point() and id(storage) not in taken:
+            held[id(storage)] = storage.nbytes()
+    return sum(held.values())
 
 
 class _BackwardFigures:

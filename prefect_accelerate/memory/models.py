@@ -181,6 +181,10 @@ class ActivationProfile(_Frozen):
                                     "its start (what it saves, its outputs, and the temporaries of the moment)")
     block_forward_rise_bytes: int = Field(0, description="measured: the most live memory rose above its start during one "
                                           "block call's forward (a checkpointed forward holds one block's at a time)")
+    block_carry_bytes: list[int] = Field(default_factory=list, description="measured: per block call, in forward order, "
+                                         "what the model still held of the previous call's outputs when it started, "
+                                         "besides this call's own inputs (a stack that keeps `outputs = block(...)` holds "
+                                         "the attention weights a block returns until the next one returns)")
     forward_measured: bool = False
     block_input_bytes: list[int] = Field(default_factory=list, description="per block call, in forward order: its "
                                          "floating-point tensor inputs (what checkpointing keeps of it)")

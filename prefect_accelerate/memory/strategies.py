@@ -591,14 +591,16 @@ def _forward_phase(acts: ActivationProfile | None, options: EstimateOptions) -> 
     """The most the forward holds at once, measured on the fake tensors: everything it has saved by then plus the
     temporaries of that moment (a model whose forward makes large transient tensors, such as a state-space scan
     written in plain torch, peaks here rather than in backward). Under checkpointing each block's saved tensors
-    are dropped as it returns, so the forward holds the kept block inputs, what came before the blocks, and one
-    block's own rise. 0 when the forward was not measured."""
+    are dropped as it returns, so the forward holds the kept block inputs, what came before the blocks, one
+    block's own rise, and what the model still holds of the previous block's outputs (Bloom's stack keeps the
+    attention probabilities a block returns until the next block returns). 0 when the forward was not measured."""
     if acts is None or acts.method != "traced" or not acts.forward_measured:
         return 0
     scale = options.batch_size / acts.batch_size
     if options.gradient_checkpointing and acts.per_layer_bytes:
         before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
-        return round((before + acts.layer_input_bytes + acts.block_forward_rise_bytes) * scale)
+        carry = max(acts.block_carry_bytes, default=0)
+        return round((before + acts.layer_input_bytes + acts.block_forward_rise_bytes + carry) * scale)
     return round(acts.forward_peak_bytes * scale)
 
 

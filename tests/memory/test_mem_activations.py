@@ -14,6 +14,7 @@ from prefect_accelerate.memory.activations import trace_activations
 from prefect_accelerate.memory.depth import builds_the_prefix, checkpoint_layers, shallow_plan
 from prefect_accelerate.memory.build import build_trained_model, to_fake
 from prefect_accelerate.memory.resolve import resolve_model
+from prefect_accelerate.memory.strategies import _forward_phase
 
 
 def traced(folder, **options):
@@ -33,7 +34,7 @@ FIELDS = ("saved_bytes", "outside_layers_bytes", "outside_after_layers_bytes", "
           "block_input_bytes", "block_backward_peaks", "block_backward_gradient_bytes", "block_parameters",
           "block_cast_bytes", "block_recompute_peaks", "outside_gap_bytes", "retained_output_bytes", "largest_tensor_bytes",
           "forward_peak_bytes", "block_forward_rise_bytes", "block_backward_peak_bytes", "head_backward_bytes",
-          "autocast_weight_copy_bytes", "unreached_parameters",
+          "autocast_weight_copy_bytes", "unreached_parameters", "block_carry_bytes",
           # transformers' training-time KV cache, one layer per block (a hybrid's Mamba blocks hold no keys)
           "cache_bytes", "cache_unsaved_bytes")
 
@@ -660,6 +661,32 @@ def test_a_config_that_refuses_a_new_depth_is_traced_at_its_own(tmp_path):
                           env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "PREFECT_ACCELERATE_PROFILE_CACHE": "off"})
     assert done.returncode == 0 and "Traceback" not in done.stderr + done.stdout, done.stderr[-2000:]
     assert "Total per device" in done.stdout
+
+
+def test_what_the_stack_keeps_of_a_blocks_outputs_is_measured_from_the_models_own_references(tmp_path):
+    """Bloom's stack runs `outputs = block(...)` and keeps the tuple, attention probabilities included, until the
+    next block returns; Llama's blocks return their hidden state alone, the next block's input. The trace asks
+    CPython's reference count, not the model's name: the probabilities (batch x heads x seq x seq, fp32) are
+    carried into every block after the first, nothing into Llama's, and only a checkpointed forward adds them
+    (without checkpointing the same tensors are saved for backward, and counted there)."""
+    import transformers
+
+    bloom, llama = tmp_path / "bloom", tmp_path / "llama"
+    transformers.BloomConfig(hidden_size=64, n_layer=3, n_head=2, vocab_size=500,
+                             architectures=["BloomForCausalLM"]).save_pretrained(bloom)
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=500, max_position_embeddings=512, bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0, architectures=["LlamaForCausalLM"]).save_pretrained(llama)
+    probabilities = 2 * 2 * 256 * 256 * 4
+    acts, _ = traced(bloom, batch_size=2, seq_len=256, device_type="cpu")
+    assert acts.block_carry_bytes == [0, probabilities, probabilities]
+    options = EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=2, seq_len=256, device_type="cpu")
+    without = acts.model_copy(update={"block_carry_bytes": [0, 0, 0]})
+    assert _forward_phase(acts, options) == _forward_phase(without, options)
+    options = options.model_copy(update={"gradient_checkpointing": True})
+    assert _forward_phase(acts, options) - _forward_phase(without, options) == probabilities
+    acts, _ = traced(llama, batch_size=2, seq_len=256, device_type="cpu")
+    assert acts.block_carry_bytes == [0, 0, 0]
 
 
 def _dory(folder):
