@@ -254,12 +254,15 @@ def test_the_cpu_estimate_is_within_10_percent_of_the_allocators_measured_peak_o
     With CPU's own kernels (device_type="cpu") the estimate models exactly what ran, so any gap is the
     estimator's own, not a kernel difference; the GPU side of the model is held by test_mem_gpu_measured.
     """
-    config, precision, checkpointing = _unseen_architectures()[case]
-    config.save_pretrained(tmp_path)
-    est = estimate(str(tmp_path), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=4, seq_len=128,
-                                                  mixed_precision=precision, gradient_checkpointing=checkpointing,
-                                                  device_type="cpu"))
-    measured = train_and_measure(tmp_path, {"batch": 4, "seq": 128, "precision": precision, "checkpointing": checkpointing})
+    _assert_within_10_percent(case, *_unseen_architectures()[case], 4, 128, tmp_path, train_and_measure)
+
+
+def _assert_within_10_percent(case, config, precision, checkpointing, batch, seq, folder, train_and_measure):  # noqa: ANN001
+    config.save_pretrained(folder)
+    est = estimate(str(folder), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=batch, seq_len=seq,
+                                                mixed_precision=precision, gradient_checkpointing=checkpointing,
+                                                device_type="cpu"))
+    measured = train_and_measure(folder, {"batch": batch, "seq": seq, "precision": precision, "checkpointing": checkpointing})
     ratio = est.breakdown.device_total_bytes / measured
     assert 0.90 <= ratio <= 1.10, f"{case}: estimate {est.breakdown.device_total} / measured {measured / MIB:.2f} MiB = {ratio:.3f}"
 
@@ -286,14 +289,7 @@ def test_at_long_sequences_the_cpu_estimate_holds_where_seq_by_seq_tensors_domin
     """1,024 tokens on a 64-wide model: the attention's seq x seq tensors are most of the peak, so what the model
     keeps of them between blocks, and when its masks die, decide the figure (at 128 tokens both cases were within
     3%). Real training steps, measured in this process."""
-    config, precision, checkpointing = _long_sequences()[case]
-    config.save_pretrained(tmp_path)
-    est = estimate(str(tmp_path), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=2, seq_len=1024,
-                                                  mixed_precision=precision, gradient_checkpointing=checkpointing,
-                                                  device_type="cpu"))
-    measured = train_and_measure(tmp_path, {"batch": 2, "seq": 1024, "precision": precision, "checkpointing": checkpointing})
-    ratio = est.breakdown.device_total_bytes / measured
-    assert 0.90 <= ratio <= 1.10, f"{case}: estimate {est.breakdown.device_total} / measured {measured / MIB:.2f} MiB = {ratio:.3f}"
+    _assert_within_10_percent(case, *_long_sequences()[case], 2, 1024, tmp_path, train_and_measure)
 
 
 def test_a_kill_9_of_the_command_ends_the_probe_too(zoo, tmp_path):
