@@ -22,6 +22,11 @@ Prints one row per run and a summary: how many runs sit within 10% of the measur
 highest ratio, and every run outside [0.90, 1.10]. Nothing here passes or fails; tests/memory holds a few
 of these families to the 10% line in CI (test_mem_probe.py).
 
+    python bench/memory_families_cpu.py --only bloom --batch 2 --seq 1024 --width 64 --attention_heads 2   # long sequences
+
+Long sequences on a narrow model make the attention's seq x seq tensors most of the peak: what the model keeps of
+them between blocks, and when its masks die, then decide the figure (docs/memory.md, "long sequences").
+
     python bench/memory_families_cpu.py --deep 9 --out /tmp/deep.jsonl   # shallow traces against full ones
     python bench/memory_families_cpu.py --blocks 9 --only jamba           # measured, 9 blocks (traced shallow)
 
@@ -72,6 +77,18 @@ TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key
             num_layers=2, num_decoder_layers=2, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
             decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, n_positions=512, rotary_dim=16,
             bos_token_id=0, eos_token_id=0, pad_token_id=0, decoder_start_token_id=0, tie_word_embeddings=False)
+
+
+def resize(width: int, heads: int, seq: int) -> None:
+    """Another shape for every tiny config (--width, --attention_heads, longer --seq): the width under each name
+    families use, its heads (each with its own keys and values), twice its width for the MLP, and positions for the
+    sequence. Not called for the default shape, so the committed walks stay as they were built."""
+    global TINY
+    positions = max(512, seq)
+    TINY = TINY | dict(hidden_size=width, d_model=width, num_attention_heads=heads, num_heads=heads, num_key_value_heads=heads,
+                       encoder_attention_heads=heads, decoder_attention_heads=heads, head_dim=width // heads,
+                       d_kv=width // heads, intermediate_size=2 * width, d_ff=2 * width, encoder_ffn_dim=2 * width,
+                       decoder_ffn_dim=2 * width, max_position_embeddings=positions, n_positions=positions)
 
 
 def families(heads: list[str]) -> list[tuple[str, str, str]]:
@@ -231,6 +248,7 @@ def _cap_memory() -> None:
 
 
 def main() -> None:
+    global BATCH, SEQ
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--heads", default="causal,masked,seq2seq")
     parser.add_argument("--only", action="append", default=[], help="a model_type (repeatable)")
@@ -241,12 +259,20 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=2, help="blocks a family for the measured walk (8 or more: traced shallow)")
     parser.add_argument("--cuda", action="store_true",
                         help="estimates for a CUDA target (capability 9.0) next to CPU's, no training (--blocks deep)")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"sequences a step (default {BATCH})")
+    parser.add_argument("--seq", type=int, default=SEQ, help=f"tokens a sequence (default {SEQ}); long ones make the "
+                                                              "attention's seq x seq tensors most of the peak")
+    parser.add_argument("--width", type=int, default=TINY["hidden_size"], help="hidden size of every tiny config")
+    parser.add_argument("--attention_heads", type=int, default=TINY["num_attention_heads"])
     parser.add_argument("--child", nargs=2, metavar=("MODEL_TYPE", "ARCHITECTURE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _cap_memory()
         import sitecustomize  # noqa: F401 - the torchvision shim
 
+        if (args.width, args.attention_heads) != (TINY["hidden_size"], TINY["num_attention_heads"]) or args.seq > SEQ:
+            resize(args.width, args.attention_heads, args.seq)
+        BATCH, SEQ = args.batch, args.seq
         os.environ.setdefault("PREFECT_ACCELERATE_PROFILE_CACHE", "off")
         print(json.dumps(shallow_against_full(*args.child, args.deep) if args.deep
                          else cuda_against_cpu(*args.child, args.blocks) if args.cuda else run_family(*args.child, args.blocks)))
@@ -266,8 +292,10 @@ def main() -> None:
             continue
         seen.add(model_type)
         deep = ["--deep", str(args.deep)] if args.deep else ["--blocks", str(args.blocks), *(["--cuda"] if args.cuda else [])]
-        child = subprocess.run([sys.executable, __file__, "--child", model_type, architecture, *deep],
-                               capture_output=True, text=True, timeout=900)
+        shape = ["--batch", str(args.batch), "--seq", str(args.seq), "--width", str(args.width),
+                 "--attention_heads", str(args.attention_heads)]
+        child = subprocess.run([sys.executable, __file__, "--child", model_type, architecture, *deep, *shape],
+                               capture_output=True, text=True, timeout=1800)
         try:
             found = json.loads(child.stdout.strip().splitlines()[-1])
         except (IndexError, json.JSONDecodeError):
@@ -275,6 +303,8 @@ def main() -> None:
             found = [{"family": model_type, "variant": "-", "skipped": f"child: {why}"}]
         for row in found:
             row["head"] = head
+            if (args.batch, args.seq, args.width, args.attention_heads) != (BATCH, SEQ, TINY["hidden_size"], TINY["num_attention_heads"]):
+                row.update(batch=args.batch, seq=args.seq, width=args.width, attention_heads=args.attention_heads)
             rows.append(row)
             if args.out:
                 with open(args.out, "a") as out:
