@@ -417,10 +417,13 @@ class _SavedTensorRecorder:
                 self.input_ids.add(key)
                 weakref.finalize(tensor, self.input_ids.discard, key)
                 self.inputs_of[index] += _nbytes(tensor)
-        # CPython's reference count tells whether the model still holds the previous call's output: `last` and
-        # getrefcount's own argument are two
+        # CPython's reference count tells whether the model still holds the previous call's output: more than a
+        # fresh object bound the same way has (a local and getrefcount's argument; newer interpreters may borrow
+        # the argument, so the baseline is asked, not assumed)
         last, self._last_output = self._last_output, None
-        self.carry[index] = carry_of(last, inputs) if last is not None and sys.getrefcount(last) > 2 else 0
+        alone = object()
+        held = last is not None and sys.getrefcount(last) > sys.getrefcount(alone)
+        self.carry[index] = carry_of(last, inputs) if held else 0
 
     def forward_done(self) -> None:
         """Let go of the last block call's output, so that backward sees it freed when the model lets go of it."""
