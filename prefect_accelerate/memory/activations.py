@@ -397,6 +397,15 @@ class _SavedTensorRecorder:
             return
         index = len(self.layer_index)
         self.layer_index.append(id(module))
+        inputs = [tensor for value in list(args) + list(kwargs.values()) for tensor in _tensors_in(value)]
+        # CPython's reference count tells whether the model still holds the previous call's output: more than a
+        # fresh object bound the same way has (a local and getrefcount's argument; newer interpreters may borrow
+        # the argument, so the baseline is asked, not assumed). Let go of it before this call's start is counted
+        last, self._last_output = self._last_output, None
+        alone = object()
+        held = last is not None and sys.getrefcount(last) > sys.getrefcount(alone)
+        self.carry[index] = carry_of(last, inputs) if held else 0
+        del last
         if self.forward_meter is not None:
             self.forward_meter.open(index)
         for table in (self.saved_in, self.casts_in, self.inputs_of, self.block_peak, self.saved_inputs_in):
@@ -406,7 +415,6 @@ class _SavedTensorRecorder:
         # here (a mask or position table the stack passes to every block dies when the stack returns, before the
         # head runs, and the forward's live count must see that): an id leaves `input_ids` when its tensor dies,
         # so a later tensor that gets the id is counted
-        inputs = [tensor for value in list(args) + list(kwargs.values()) for tensor in _tensors_in(value)]
         for tensor in inputs:
             base = tensor._base if tensor._base is not None else tensor
             self.own_inputs.setdefault(index, set()).add(id(base))
@@ -417,13 +425,6 @@ class _SavedTensorRecorder:
                 self.input_ids.add(key)
                 weakref.finalize(tensor, self.input_ids.discard, key)
                 self.inputs_of[index] += _nbytes(tensor)
-        # CPython's reference count tells whether the model still holds the previous call's output: more than a
-        # fresh object bound the same way has (a local and getrefcount's argument; newer interpreters may borrow
-        # the argument, so the baseline is asked, not assumed)
-        last, self._last_output = self._last_output, None
-        alone = object()
-        held = last is not None and sys.getrefcount(last) > sys.getrefcount(alone)
-        self.carry[index] = carry_of(last, inputs) if held else 0
 
     def forward_done(self) -> None:
         """Let go of the last block call's output, so that backward sees it freed when the model lets go of it."""
