@@ -266,6 +266,8 @@ def main() -> None:
     parser.add_argument("--attention_heads", type=int, default=TINY["num_attention_heads"])
     parser.add_argument("--child", nargs=2, metavar=("MODEL_TYPE", "ARCHITECTURE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    shape = (args.batch, args.seq, args.width, args.attention_heads)
+    default_shape = shape == (BATCH, SEQ, TINY["hidden_size"], TINY["num_attention_heads"])
     if args.child:
         _cap_memory()
         import sitecustomize  # noqa: F401 - the torchvision shim
@@ -292,9 +294,8 @@ def main() -> None:
             continue
         seen.add(model_type)
         deep = ["--deep", str(args.deep)] if args.deep else ["--blocks", str(args.blocks), *(["--cuda"] if args.cuda else [])]
-        shape = ["--batch", str(args.batch), "--seq", str(args.seq), "--width", str(args.width),
-                 "--attention_heads", str(args.attention_heads)]
-        child = subprocess.run([sys.executable, __file__, "--child", model_type, architecture, *deep, *shape],
+        sized = [f"--{flag}={value}" for flag, value in zip(("batch", "seq", "width", "attention_heads"), shape)]
+        child = subprocess.run([sys.executable, __file__, "--child", model_type, architecture, *deep, *sized],
                                capture_output=True, text=True, timeout=1800)
         try:
             found = json.loads(child.stdout.strip().splitlines()[-1])
@@ -303,8 +304,8 @@ def main() -> None:
             found = [{"family": model_type, "variant": "-", "skipped": f"child: {why}"}]
         for row in found:
             row["head"] = head
-            if (args.batch, args.seq, args.width, args.attention_heads) != (BATCH, SEQ, TINY["hidden_size"], TINY["num_attention_heads"]):
-                row.update(batch=args.batch, seq=args.seq, width=args.width, attention_heads=args.attention_heads)
+            if not default_shape:
+                row.update(zip(("batch", "seq", "width", "attention_heads"), shape))
             rows.append(row)
             if args.out:
                 with open(args.out, "a") as out:
