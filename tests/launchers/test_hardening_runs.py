@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from prefect_accelerate.launchers import plan_launch
+from prefect_accelerate.launchers.execute import execute
 from prefect_accelerate.launchers.options import build_launch_options
-from prefect_accelerate.launchers.process import run_plan
 
 CLI = [sys.executable, "-m", "prefect_accelerate.cli.main", "launch", "--no-track"]
 QUIET = dict(mixed_precision="no", num_machines=1, dynamo_backend="no")
@@ -60,7 +60,7 @@ def test_per_rank_logs_and_every_run_file_are_redacted_and_owner_only(tmp_path, 
     run_dir = tmp_path / "run"
     options = build_launch_options(str(script), ["--tok", SECRETS["HF_TOKEN"]], cpu=True, num_processes=2, run_dir=str(run_dir), **QUIET)
     lines: list[str] = []
-    result = run_plan(plan_launch(options), on_line=lambda label, line: lines.append(line))
+    result = execute(plan_launch(options), on_line=lambda label, line: lines.append(line))
     assert result.succeeded, result.failure_message()
     rank_logs = list(run_dir.glob("ranks/*/attempt_*/*/stdout.log"))
     assert len(rank_logs) == 2 and all("***" in p.read_text() for p in rank_logs)

@@ -24,8 +24,10 @@ def sleeping_plan(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("WORKER_MODE", "sleep")
     monkeypatch.setenv("WORKER_PID_DIR", str(tmp_path / "pids"))
     (tmp_path / "pids").mkdir()
+    # port 0: a free port of its own (the handle is waited on directly, without execute's retry when the default 29500
+    # is taken by a launch running beside it)
     options = build_launch_options(WORKER, cpu=True, num_processes=2, mixed_precision="no", num_machines=1, dynamo_backend="no",
-                                   run_dir=str(tmp_path / "run"))
+                                   main_process_port=0, run_dir=str(tmp_path / "run"))
     return plan_launch(options)
 
 

@@ -20,8 +20,9 @@ import pytest
 from helpers.processes import assert_all_gone, read_pids, wait_for_pids
 
 from prefect_accelerate.launchers import plan_launch
+from prefect_accelerate.launchers.execute import execute
 from prefect_accelerate.launchers.options import build_launch_options
-from prefect_accelerate.launchers.process import run_plan, split_rank
+from prefect_accelerate.launchers.process import split_rank
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = str(REPO / "tests" / "launchers" / "scripts" / "worker.py")
@@ -55,7 +56,7 @@ def test_output_lines_reach_the_callback_with_rank_labels(tmp_path, monkeypatch)
     monkeypatch.setenv("WORKER_MODE", "allreduce")
     options = build_launch_options(WORKER, cpu=True, num_processes=2, mixed_precision="no", num_machines=1, dynamo_backend="no", run_dir=str(tmp_path / "run"))
     seen: list[tuple[str, str]] = []
-    result = run_plan(plan_launch(options), on_line=lambda label, line: seen.append((label, line)))
+    result = execute(plan_launch(options), on_line=lambda label, line: seen.append((label, line)))
     assert result.succeeded and result.exit_code == 0
     assert ("rank 0", "rank 0 of 2 sum 3.0") in seen and ("rank 1", "rank 1 of 2 sum 3.0") in seen
     assert "rank 1 of 2 sum 3.0" in Path(result.log_path).read_text()
@@ -97,7 +98,7 @@ def test_a_failing_rank_is_named_with_its_exit_code(tmp_path):
 def test_a_raising_rank_reports_its_error_message(tmp_path, monkeypatch):
     monkeypatch.setenv("WORKER_MODE", "raise_rank1")
     options = build_launch_options(WORKER, cpu=True, num_processes=2, mixed_precision="no", num_machines=1, dynamo_backend="no")
-    result = run_plan(plan_launch(options))
+    result = execute(plan_launch(options))
     assert not result.succeeded and result.failed_ranks[0].rank == 1
     assert "rank 1 deliberate failure" in (result.error or "")
     with pytest.raises(Exception, match="rank 1 exited with code 1"):
@@ -149,7 +150,7 @@ def test_secret_values_in_output_are_redacted_everywhere(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secretvalue123456")
     lines: list[str] = []
     options = build_launch_options(WORKER, cpu=True, num_processes=2, mixed_precision="no", num_machines=1, dynamo_backend="no")
-    result = run_plan(plan_launch(options), on_line=lambda label, line: lines.append(line))
+    result = execute(plan_launch(options), on_line=lambda label, line: lines.append(line))
     assert result.succeeded
     text = "\n".join(lines)
     assert "token ***" in text and "hf_secretvalue123456" not in text
@@ -174,8 +175,6 @@ def test_split_rank_reads_torchrun_prefixes():
 
 
 def test_a_default_port_taken_after_planning_is_retried_on_a_free_port(tmp_path, monkeypatch):
-    from prefect_accelerate.launchers.execute import execute
-
     monkeypatch.setenv("WORKER_MODE", "allreduce")
     options = build_launch_options(WORKER, cpu=True, num_processes=2, mixed_precision="no", num_machines=1, dynamo_backend="no")
     plan = plan_launch(options)

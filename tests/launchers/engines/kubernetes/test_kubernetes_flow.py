@@ -67,8 +67,10 @@ def test_the_launch_task_follows_the_job_and_the_flows_cancel_hook_deletes_it(cl
             cluster.log(name, index, f"[default0]:training on node {index}")
         log = Path(plan.run_dir, "launch.log")
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (log.exists() and "training on node 1" in log.read_text()):
-            time.sleep(0.05)  # the task has followed the job into its training before the cancellation comes
+        # the task has followed both pods into their training before the cancellation comes (one poll may read pod 0
+        # before its line and pod 1 after its own; a deleted job's logs are gone, so waiting on one line is not enough)
+        while time.monotonic() < deadline and not (log.exists() and all(f"training on node {i}" in log.read_text() for i in (0, 1))):
+            time.sleep(0.05)
         run = type("FlowRun", (), {"id": seen["record"].get("flow_run_id")})()
         end_launch_processes(None, run, None)  # what on_cancellation runs
         seen["pods_left"] = cluster.pod_names(name)
