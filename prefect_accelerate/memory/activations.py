@@ -191,6 +191,9 @@ def trace_activations(
             handle.remove()
 
     recorder.forward_done()
+    checkpointed_rises = _checkpointed_rises(
+        model, layers, lambda: _forward_contexts(mode, device_type, force_flash, capability),
+        lambda: _forward_once(model, library, batch_size, used_seq, size if library == "timm" else None, autocast_dtype))
     # a KV cache the output holds: its tensors are mostly the keys/values attention saved anyway; any it
     # holds besides those (transformers may cache keys in another dtype) are alive from forward on
     # (per cache layer, counting each storage once, at the first layer that holds it)
@@ -233,6 +236,8 @@ def trace_activations(
     # recomputing forward holds what the block's forward rose to (its saved tensors and the temporaries of its
     # worst moment: a dropout's mask being made, an expert router's fp32 copy)
     recomputes = [forward.rises.get(i, 0) + phases[i].extra if i in phases else 0 for i in range(count)] if phases else []
+    waiting = [measured.waiting.get(i, 0) for i in range(count)] if phases else []
+    unsaved_rises = [checkpointed_rises[i] for i in range(count)] if sorted(checkpointed_rises) == list(range(count)) else []
     # saved outside the blocks, by where: before block g (g = 0..count), the last being the head's
     gaps = [recorder.outside_gaps.get(g, 0) for g in range(count + 1)]
     note = ""
@@ -243,6 +248,7 @@ def trace_activations(
 
         per_layer, inputs, casts, carries = spread(per_layer), spread(inputs), spread(casts), spread(carries)
         peaks, peak_grads, block_params, recomputes = spread(peaks), spread(peak_grads), spread(block_params), spread(recomputes)
+        waiting, unsaved_rises = spread(waiting), spread(unsaved_rises)
         # saved outside the blocks before block i like before the block it repeats; the head stays the head
         gaps = [gaps[j] for j in repeats] + gaps[-1:]
         note = (f"Traced {count} of {len(repeats)} blocks, which hold every kind of block the stack has; each "
@@ -270,6 +276,8 @@ def trace_activations(
         block_parameters=block_params,
         block_cast_bytes=casts,
         block_recompute_peaks=recomputes,
+        block_backward_waiting_bytes=waiting,
+        block_checkpointed_rises=unsaved_rises,
         outside_gap_bytes=gaps,
         retained_output_bytes=retained,
         largest_tensor_bytes=recorder.largest,
@@ -463,7 +471,8 @@ class _BackwardFigures:
     """What a backward on the fake graph measured (`_measure_backward`); empty when it could not run."""
 
     def __init__(self, blocks: dict[int, int] | None = None, rises: dict[int, int] | None = None,
-                 head: _Phase | None = None, phases: dict[int, _Phase] | None = None, expected: int = 0, unreached: set[int] | None = None) -> None:
+                 head: _Phase | None = None, phases: dict[int, _Phase] | None = None, expected: int = 0, unreached: set[int] | None = None,
+                 waiting: dict[int, int] | None = None) -> None:
         #: ids of trainable parameters the loss gave no gradient (an unused cross-attention, a table no input
         #: indexes): they get no .grad and no optimizer state
         self.unreached = unreached or set()
@@ -474,6 +483,7 @@ class _BackwardFigures:
         self.rises = rises or {}  # block -> its gradient in plus the most live memory rose above its start
         self.head = head  # the head's phase: from backward's start until the first block's
         self.phases = phases or {}  # block -> its phase, with the gradients apart
+        self.waiting = waiting or {}  # block -> what later blocks' backward left alive when its own began
 
 
 def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, params: list[Any]) -> _BackwardFigures:
@@ -500,6 +510,7 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
     handles += [tensor.register_hook(lambda grad, index=index: meter.leave(index))
                 for index, tensor in recorder.block_in.items()]
     handles += [p.register_post_accumulate_grad_hook(meter.gradient_made) for p in params if p.requires_grad]
+    handles += [p.register_hook(meter.weight_gradient) for p in params if p.requires_grad]
     for p in params:
         p.grad = None
     recorder.keep.clear()
@@ -517,6 +528,7 @@ def _measure_backward(loss: Any, recorder: _SavedTensorRecorder, mode: Any, para
     unreached = {id(p) for p in params if p.requires_grad and p.grad is None}
     return _BackwardFigures(blocks={index: recorder.saved_in[index] + rise for index, rise in meter.rises.items()},
                             rises=dict(meter.rises), head=meter.head, expected=expected, unreached=unreached,
+                            waiting=dict(meter.waiting),
                             phases={key: phase for key, phase in meter.phases.items() if key != "head" and phase.ended})
 
 
@@ -546,7 +558,7 @@ class _LiveBytes:
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
                 out = func(*args, **(kwargs or {}))
-                meter.made(args, kwargs, out)
+                meter.made(args, kwargs, out, func)
                 return out
 
         self._mode = _Mode()
@@ -565,6 +577,9 @@ class _LiveBytes:
         self.ends: dict[Any, int] = {}
         self.before_blocks: int | None = None
         self.since_last_end = 0
+        #: per block: what earlier-run phases of backward left alive when its backward began (`enter`)
+        self.waiting: dict[int, int] = {}
+        self._waiting_in: dict[int, _Waiting] = {}  # storage -> its record, while it is alive
 
     def __enter__(self) -> _LiveBytes:
         self._mode.__enter__()
@@ -624,17 +639,34 @@ class _LiveBytes:
         for phase in self._running.values():
             phase.note(self.live, self.grads)
 
+    def weight_gradient(self, grad: Any) -> None:
+        """A weight's summed gradient, about to be accumulated (a hook on the weight): whatever it was summed in
+        is a gradient, not an activation's, and leaves the blocks' `waiting` counts."""
+        record = self._waiting_in.pop(id(grad.untyped_storage()), None)
+        if record is not None:
+            record.was_a_weights_gradient(self.waiting)
+
     def _freed(self, key: int, size: int) -> None:
         self.live -= size
         self._finalizers.pop(key, None)
+        self._waiting_in.pop(key, None)  # it waited as an activation's gradient, and its id may now be reused
         for phase in self.phases.values():  # ended ones too: Python may give the next storage this id
             phase.freed(key)
 
-    def made(self, args: Any, kwargs: Any, out: Any) -> None:
-        inputs = {id(t.untyped_storage()) for t in _tensors_in(list(args) + list((kwargs or {}).values()))}
-        for tensor in _tensors_in(out):
-            if id(tensor.untyped_storage()) not in inputs:
-                self.track(tensor)
+    def made(self, args: Any, kwargs: Any, out: Any, func: Any = None) -> None:
+        given = list(_tensors_in(list(args) + list((kwargs or {}).values())))
+        inputs = {id(t.untyped_storage()) for t in given}
+        made = [tensor for tensor in _tensors_in(out) if id(tensor.untyped_storage()) not in inputs]
+        for tensor in made:
+            self.track(tensor)
+        # autograd sums the shares of one gradient out of place (`aten.add` of equal shapes): a share that waited
+        # is then part of the sum, and goes where the sum goes (a weight's gradient, `weight_gradient`)
+        if self._waiting_in and len(made) == 1 and str(func) == "aten.add.Tensor" \
+                and all(t.shape == made[0].shape for t in given):
+            shares = [self._waiting_in[key] for key in inputs if key in self._waiting_in]
+            if shares:
+                storage = made[0].untyped_storage()
+                self._waiting_in.setdefault(id(storage), _Waiting(storage.nbytes())).shares += shares
 
     def open(self, key: Any, extra: int = 0) -> None:
         """Start following the rise of live memory for ``key`` (``extra``: bytes to count on top, already live)."""
@@ -664,15 +696,54 @@ class _LiveBytes:
             phase.end(self.grads, incoming)
 
     def enter(self, index: int, grad: Any) -> None:
+        incoming = id(grad.untyped_storage()) if grad is not None else None
         if "head" in self._running:
-            incoming = grad.untyped_storage() if grad is not None else None
-            self._end("head", id(incoming) if incoming is not None else None)
+            self._end("head", incoming)
+        # What the backward of later blocks made and still holds, besides this block's incoming gradient: the
+        # gradient of a tensor several blocks take (T5's position bias, made by the first block and passed to the
+        # others; an encoder's output every decoder block attends to) is summed as each of them runs backward and
+        # waits until the backward of what made it. The block after this one may not have ended yet (its input's
+        # gradient is this block's incoming one, and the hook that starts this block can run first), so its
+        # storages still alive count too. A weight's gradient waits the same way when one module runs in several
+        # block calls (autograd sums its shares before accumulating it once): that is a gradient, counted as one,
+        # and leaves this count when the weight's hook sees it (`weight_gradient`).
+        if index not in self.waiting:
+            self.waiting[index] = 0
+            for key, phase in self.phases.items():
+                if key == "head":
+                    continue
+                for storage, size in (phase.left if phase.ended else phase.alive).items():
+                    if storage != incoming:
+                        self.waiting[index] += size
+                        self._waiting_in.setdefault(storage, _Waiting(size)).blocks.append(index)
         self.open(index, _nbytes(grad))
         self._begin(index, _nbytes(grad))
 
     def leave(self, index: int) -> None:
         self.close(index)
         self._end(index)
+
+
+class _Waiting:
+    """A storage counted in the `waiting` of some blocks (``blocks``), and the waiting storages summed into it."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.blocks: list[int] = []
+        self.shares: list[_Waiting] = []
+        self.settled = False
+
+    def was_a_weights_gradient(self, waiting: dict[int, int]) -> None:
+        """It, and every share summed into it, was a weight's gradient: out of every block's count."""
+        stack = [self]
+        while stack:
+            record = stack.pop()
+            if record.settled:
+                continue
+            record.settled = True
+            for index in record.blocks:
+                waiting[index] -= record.size
+            stack += record.shares
 
 
 class _Phase:
@@ -802,6 +873,73 @@ def _reachable_tensors(value: Any, depth: int = 0) -> Iterator[Any]:
 
 def _unpack(tensor: Any) -> Any:
     return tensor
+
+
+@contextlib.contextmanager
+def _forward_contexts(mode: Any, device_type: str, force_flash: bool, capability: tuple[int, int] | None) -> Iterator[None]:
+    """What a second forward of the traced model runs under, as the first did: the fake mode and the stand-ins
+    for the target's kernels and for the code fake tensors cannot run."""
+    kernels = cuda_kernels(force_flash, capability) if device_type == "cuda" else contextlib.nullcontext(None)
+    with mode, _moe_without_grouped_mm(), _unpadded_masks(), _no_layer_dropped(), _deep_copies_clone(), kernels:
+        yield
+
+
+def _forward_once(model: Any, library: str, batch_size: int, seq_len: int | None, image: tuple | None,
+                  autocast_dtype: Any) -> None:
+    """One training forward, as gradient checkpointing runs it (transformers turns the KV cache off)."""
+    import torch
+
+    with _autocast(autocast_dtype):
+        if library == "timm":
+            model(torch.zeros((batch_size, *image), dtype=_float_dtype(model)))
+        else:
+            model(**_transformers_inputs(model, batch_size, seq_len, False))
+
+
+def _checkpointed_rises(model: Any, layers: list[Any], contexts: Any, run: Any) -> dict[int, int]:
+    """Per block call: how far live memory rises above the call's start in a checkpointed forward.
+
+    Activation checkpointing runs each block's forward keeping none of its saved tensors (non-reentrant: its
+    hooks keep no tensor; reentrant: under no_grad), so a tensor lives while the block's code refers to it:
+    what rises is the block's temporaries of the moment and its output, not what it saves. The traced forward
+    keeps every saved tensor, so the same model runs a second forward on fake tensors with saved-tensor hooks
+    that keep nothing, measured block by block like the first. Empty when there are no blocks or that forward
+    cannot run.
+    """
+    import torch
+
+    if not layers:
+        return {}
+    meter = _LiveBytes()
+    calls: list[int] = []
+    current: list[int | None] = [None]
+
+    def enter(module: Any, args: tuple, kwargs: dict) -> None:
+        if current[0] is None:  # a block inside a block is part of the outer one, as checkpointing wraps it
+            current[0] = len(calls)
+            calls.append(id(module))
+            meter.open(current[0])
+
+    def leave(module: Any, args: tuple, output: Any) -> None:
+        if current[0] is not None and calls[current[0]] == id(module):
+            meter.close(current[0])
+            current[0] = None
+
+    handles = [layer.register_forward_pre_hook(enter, with_kwargs=True) for layer in layers]
+    handles += [layer.register_forward_hook(leave) for layer in layers]
+    try:
+        with contexts(), meter, torch.autograd.graph.saved_tensors_hooks(_keep_nothing, _unpack):
+            run()
+    except Exception:  # noqa: BLE001 - the first forward ran; the rule-of-thumb bound stands
+        return {}
+    finally:
+        for handle in handles:
+            handle.remove()
+    return dict(meter.rises)
+
+
+def _keep_nothing(tensor: Any) -> None:
+    return None
 
 
 def _nbytes(tensor: Any) -> int:
@@ -986,6 +1124,8 @@ def _param_casts(recorder: _SavedTensorRecorder, params: set[int]) -> Any:
 #: transformers' checks whether SDPA may run without a materialized mask (masking_utils): each refuses to read
 #: a fake padding mask and keeps the mask, where a real batch without padding would have dropped it
 _MASK_SKIP_CHECKS = ("_ignore_causal_mask_sdpa", "_ignore_bidirectional_mask_sdpa")
+#: transformers' test for several sequences packed in one row (positions that restart), read from the position ids
+_PACKING_CHECK = "find_packed_sequence_indices"
 
 
 @contextlib.contextmanager
@@ -998,6 +1138,10 @@ def _unpadded_masks() -> Iterator[None]:
     (and on CUDA may take flash, which refuses masks). For the length of the trace, a fake padding mask is
     passed to these checks as None, which is what an all-ones mask means to them; the rest of each check runs
     as written (sliding windows still keep their mask).
+
+    The same for packing: without a KV cache (gradient checkpointing turns it off) transformers reads the position
+    ids to find several sequences packed in one row, and a fake tensor's values cannot say "one sequence", so it
+    kept an explicit causal mask that real training does not make. The traced batch holds one sequence a row.
     """
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -1006,15 +1150,21 @@ def _unpadded_masks() -> Iterator[None]:
     except ImportError:
         yield
         return
-    originals = {name: getattr(masking_utils, name) for name in _MASK_SKIP_CHECKS if hasattr(masking_utils, name)}
+    originals = {name: getattr(masking_utils, name) for name in (*_MASK_SKIP_CHECKS, _PACKING_CHECK)
+                 if hasattr(masking_utils, name)}
 
     def unpadded(check: Any) -> Any:
         def call(padding_mask: Any, *args: Any, **kwargs: Any) -> Any:
             return check(None if isinstance(padding_mask, FakeTensor) else padding_mask, *args, **kwargs)
         return call
 
+    def unpacked(find: Any) -> Any:
+        def call(position_ids: Any) -> Any:
+            return None if isinstance(position_ids, FakeTensor) else find(position_ids)
+        return call
+
     for name, check in originals.items():
-        setattr(masking_utils, name, unpadded(check))
+        setattr(masking_utils, name, unpacked(check) if name == _PACKING_CHECK else unpadded(check))
     try:
         yield
     finally:

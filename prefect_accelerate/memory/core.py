@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any
 
 from prefect_accelerate._version import __version__
@@ -142,7 +143,10 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
             model, layout = shallow, plan.layout
 
     def trace(model: Any, layout: list[int] | None) -> ActivationProfile:
-        return trace_activations(to_fake(model), library=source.library, batch_size=options.batch_size,
+        fake = to_fake(model)
+        if options.gradient_checkpointing:
+            _checkpointing_code_paths(fake)
+        return trace_activations(fake, library=source.library, batch_size=options.batch_size,
                                  seq_len=options.seq_len, precision_mode=mode, layout=layout, force_flash=force_flash,
                                  device_type=options.device_type, capability=_capability(options))
 
@@ -160,6 +164,23 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
     if force_flash:
         activations = activations.model_copy(update={"attention_implementation": "flash_attention_2"})
     return profile.model_copy(update={"activations": activations})
+
+
+def _run_through(function: Any, *args: Any, **kwargs: Any) -> Any:
+    return function(*args, **kwargs)
+
+
+def _checkpointing_code_paths(model: Any) -> None:
+    """Turn on the model's own gradient-checkpointing switches, with a checkpoint function that just runs the block.
+
+    A model's code may take another path under checkpointing: T5's attention makes its position bias a tensor that
+    requires grad (so the checkpointed block passes a gradient through it), transformers turns the KV cache off.
+    The trace then follows that path, while the blocks still run whole and save everything, as the trace needs;
+    what checkpointing drops and recomputes is arithmetic over the per-block figures (strategies.py)."""
+    setter = getattr(model, "_set_gradient_checkpointing", None)
+    if setter is None or "gradient_checkpointing_func" not in inspect.signature(setter).parameters:
+        return  # not a transformers model, or one with the old hook (it would checkpoint for real)
+    setter(enable=True, gradient_checkpointing_func=_run_through)
 
 
 def _capability(options: EstimateOptions) -> tuple[int, int] | None:

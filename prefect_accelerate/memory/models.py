@@ -185,6 +185,10 @@ class ActivationProfile(_Frozen):
                                          "what the model still held of the previous call's outputs when it started, "
                                          "besides this call's own inputs (a stack that keeps `outputs = block(...)` holds "
                                          "the attention weights a block returns until the next one returns)")
+    block_checkpointed_rises: list[int] = Field(default_factory=list, description="measured, per block call: the most "
+                                                "live memory rose above the call's start in a forward that keeps no "
+                                                "saved tensor, as activation checkpointing runs it (temporaries and "
+                                                "the output)")
     forward_measured: bool = False
     block_input_bytes: list[int] = Field(default_factory=list, description="per block call, in forward order: its "
                                          "floating-point tensor inputs (what checkpointing keeps of it)")
@@ -197,6 +201,10 @@ class ActivationProfile(_Frozen):
     block_recompute_peaks: list[int] = Field(default_factory=list, description="measured, per block call: what its "
                                              "forward rose to above its start, plus its incoming gradient: what "
                                              "recomputing it under checkpointing holds at its worst moment")
+    block_backward_waiting_bytes: list[int] = Field(default_factory=list, description="measured, per block call: what "
+                                                    "the backward of later blocks made and still held when its backward "
+                                                    "began, besides its incoming gradient (the summed gradient of a tensor "
+                                                    "several blocks take, waiting for the backward of what made it)")
     outside_gap_bytes: list[int] = Field(default_factory=list, description="tensors saved outside the blocks, by where "
                                          "forward saved them: before block g for g = 0..blocks-1, and last the head's "
                                          "(an encoder-decoder saves between its two stacks)")

@@ -4,9 +4,11 @@ Importing torch and transformers' modeling code is most of an estimate's time (a
 70B-shaped Llama on these machines; the build and trace take under a second). What they measure, Accelerate's
 table figures and the `ModelProfile`, depends only on the model's description, the library versions and
 the few options that change the traced forward, not on the layout: another ``--num_processes``,
-``--strategy`` with the same precision mode, ``--offload``, ``--optimizer``, ``--gradient_checkpointing``
-or ``--device_memory`` is arithmetic over the same profile. So the CLI keeps each measurement as a small
-JSON file under the cache folder and reuses it when everything it depends on is unchanged.
+``--strategy`` with the same precision mode, ``--offload``, ``--optimizer`` or ``--device_memory`` is
+arithmetic over the same profile. ``--gradient_checkpointing`` reaches the trace (a model's code may take
+another path under checkpointing: T5's position bias then requires grad), so it is part of the key. The CLI
+keeps each measurement as a small JSON file under the cache folder and reuses it when everything it depends
+on is unchanged.
 
 The key: the config's content hash (with the remote code files, for ``auto_map`` models), the library,
 the installed versions of torch, transformers and timm, this package's version and the size and
@@ -30,7 +32,7 @@ from prefect_accelerate.memory.models import EstimateOptions, ModelSource
 
 PROFILE_CACHE_ENV = "PREFECT_ACCELERATE_PROFILE_CACHE"
 #: Options that only change the arithmetic over a profile, never the build or the trace.
-_LAYOUT_ONLY = ("strategy", "num_processes", "num_machines", "offload", "optimizer", "gradient_checkpointing", "dtypes",
+_LAYOUT_ONLY = ("strategy", "num_processes", "num_machines", "offload", "optimizer", "dtypes",
                 "reduce_bucket_size", "overlap_comm", "contiguous_gradients", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
                 "sub_group_size")
 SCHEMA = 1

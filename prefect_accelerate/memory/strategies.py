@@ -590,13 +590,28 @@ def device_breakdown(profile: ModelProfile, options: EstimateOptions) -> DeviceB
 def _forward_phase(acts: ActivationProfile | None, options: EstimateOptions) -> float:
     """The most the forward holds at once, measured on the fake tensors: everything it has saved by then plus the
     temporaries of that moment (a model whose forward makes large transient tensors, such as a state-space scan
-    written in plain torch, peaks here rather than in backward). Under checkpointing each block's saved tensors
-    are dropped as it returns, so the forward holds the kept block inputs, what came before the blocks, one
-    block's own rise, and what the model still holds of the previous block's outputs (Bloom's stack keeps the
-    attention probabilities a block returns until the next block returns). 0 when the forward was not measured."""
+    written in plain torch, peaks here rather than in backward). Under checkpointing a block keeps none of its
+    saved tensors, so at block k the forward holds what was saved outside the blocks before it, the inputs kept
+    of blocks 0..k, what the model still holds of the previous block's outputs (Bloom's stack keeps the attention
+    probabilities a block returns until the next block returns) and block k's rise in a forward that keeps no
+    saved tensor (measured by a second fake forward); a profile without those rises takes one block's traced
+    rise, saved tensors included, over every kept input. 0 when the forward was not measured."""
     if acts is None or acts.method != "traced" or not acts.forward_measured:
         return 0
     scale = options.batch_size / acts.batch_size
+    blocks = len(acts.per_layer_bytes)
+    if options.gradient_checkpointing and blocks and len(acts.block_checkpointed_rises) == blocks \
+            and len(acts.block_input_bytes) == blocks and len(acts.outside_gap_bytes) == blocks + 1:
+        # block by block: what forward saved outside the blocks before it (an encoder-decoder saves between its
+        # stacks), the inputs checkpointing kept of it and of every block before it, what the model still holds
+        # of the previous block's outputs, and its own rise in a forward that keeps no saved tensor
+        carries = acts.block_carry_bytes if len(acts.block_carry_bytes) == blocks else [0] * blocks
+        outside = kept = worst = 0
+        for k in range(blocks):
+            outside += acts.outside_gap_bytes[k]
+            kept += acts.block_input_bytes[k]
+            worst = max(worst, outside + kept + carries[k] + acts.block_checkpointed_rises[k])
+        return round(worst * scale)
     if options.gradient_checkpointing and acts.per_layer_bytes:
         before = acts.outside_layers_bytes - acts.outside_after_layers_bytes
         carry = max(acts.block_carry_bytes, default=0)
@@ -640,6 +655,8 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
     linear-attention blocks, a stack of experts and dense blocks) is followed block by block: the heaviest
     block's backward is not assumed to come first, nor last. Activations scale with the batch; gradients do
     not, and are sharded as the layout shards them (``gradients``: the layout's gradient bytes).
+    What the backward of later blocks left waiting when block k's began is held too (the summed gradient of a
+    tensor several blocks take, T5's position bias, an encoder's output: `block_backward_waiting_bytes`).
     ``keeps_casts`` (DDP with autocast): the 16-bit weight copies the blocks saved are held too, those of
     blocks 0..k (of block k alone under checkpointing, which recomputes them), and those outside the blocks.
 
@@ -663,6 +680,9 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
     casts = list(acts.block_cast_bytes) if keeps_casts and len(acts.block_cast_bytes) == len(acts.per_layer_bytes) else []
     earlier_casts = sum(casts)
     cast_outside = max(acts.autocast_weight_copy_bytes - earlier_casts, 0) if keeps_casts else 0
+    # what the backward of later blocks left waiting when block k's began (an older profile has none)
+    waiting = acts.block_backward_waiting_bytes if len(acts.block_backward_waiting_bytes) == len(acts.per_layer_bytes) \
+        else [0] * len(acts.per_layer_bytes)
     best, where = 0.0, -1
     for k in reversed(range(len(acts.per_layer_bytes))):
         earlier_saved -= acts.per_layer_bytes[k]
@@ -680,7 +700,7 @@ def _block_phases(profile: ModelProfile, options: EstimateOptions, gradients: fl
             earlier_casts -= casts[k]
         else:
             copies = acts.autocast_weight_copy_bytes if keeps_casts else 0
-        value = held + per_parameter * min(made, profile.trainable_parameters) + copies
+        value = held + waiting[k] * scale + per_parameter * min(made, profile.trainable_parameters) + copies
         if value > best:
             best, where = value, k
         made += acts.block_parameters[k]

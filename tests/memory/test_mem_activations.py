@@ -34,7 +34,8 @@ FIELDS = ("saved_bytes", "outside_layers_bytes", "outside_after_layers_bytes", "
           "block_input_bytes", "block_backward_peaks", "block_backward_gradient_bytes", "block_parameters",
           "block_cast_bytes", "block_recompute_peaks", "outside_gap_bytes", "retained_output_bytes", "largest_tensor_bytes",
           "forward_peak_bytes", "block_forward_rise_bytes", "block_backward_peak_bytes", "head_backward_bytes",
-          "autocast_weight_copy_bytes", "unreached_parameters", "block_carry_bytes",
+          "autocast_weight_copy_bytes", "unreached_parameters", "block_carry_bytes", "block_backward_waiting_bytes",
+          "block_checkpointed_rises",
           # transformers' training-time KV cache, one layer per block (a hybrid's Mamba blocks hold no keys)
           "cache_bytes", "cache_unsaved_bytes")
 
@@ -409,13 +410,19 @@ def test_a_forward_that_outgrows_backward_sets_the_peak():
     assert _forward_phase(acts, options) == 2000  # scaled to the batch
     checkpointed = options.model_copy(update={"gradient_checkpointing": True})
     assert _forward_phase(acts, checkpointed) == 2 * (1 + 6 + 100)  # before the blocks + kept inputs + one block
+    # with the rises of a forward that keeps no saved tensor, block by block: what was saved outside the blocks
+    # before it, the inputs kept of it and of those before it, the previous block's outputs still held, its rise
+    blocks = acts.model_copy(update={"block_checkpointed_rises": [50, 30], "block_input_bytes": [2, 4],
+                                     "outside_gap_bytes": [1, 3, 9], "block_carry_bytes": [0, 20]})
+    assert _forward_phase(blocks, checkpointed) == 2 * max(1 + 2 + 0 + 50, 1 + 3 + 2 + 4 + 20 + 30)
     assert _forward_phase(acts.model_copy(update={"forward_measured": False}), options) == 0
 
 
 def test_a_forward_that_fails_with_the_training_kv_cache_is_traced_as_checkpointing_runs_it(tmp_path):
     """transformers builds a KV cache in training unless checkpointing turns it off; for a hybrid stack whose
     layers here are all linear attention (Bamba), that cache makes transformers' own forward fail. The trace
-    then runs the forward without it, as a checkpointed run does, and says so (it was "not estimated")."""
+    then runs the forward without it, as a checkpointed run does, and says so (it was "not estimated"). With
+    --gradient_checkpointing the model's own switches turn the cache off, and the first forward is traced."""
     import transformers
 
     config = transformers.BambaConfig(
@@ -423,16 +430,19 @@ def test_a_forward_that_fails_with_the_training_kv_cache_is_traced_as_checkpoint
         vocab_size=1000, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
         architectures=["BambaForCausalLM"])
     config.save_pretrained(tmp_path)
-    result = estimate(str(tmp_path), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=4, seq_len=128,
-                                                     gradient_checkpointing=True, device_type="cpu"))
-    acts = result.profile.activations
+    options = EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=4, seq_len=128, device_type="cpu")
+    acts = estimate(str(tmp_path), options).profile.activations
     assert acts.method == "traced" and acts.saved_bytes > 0
     assert "without transformers' KV cache" in acts.note and "get_mask_sizes" in acts.note
+    checkpointed = estimate(str(tmp_path), options.model_copy(update={"gradient_checkpointing": True})).profile.activations
+    assert checkpointed.method == "traced" and "KV cache" not in checkpointed.note
+    assert checkpointed.saved_bytes == acts.saved_bytes
 
 
 def test_use_cache_reaches_a_base_model_through_the_heads_kwargs(tmp_path):
     """GraniteMoeHybridForCausalLM names no `use_cache`: it hands its **kwargs to the base model, which takes it.
-    The trace turns the training cache off through them as a checkpointed run does (it was "not estimated":
+    The trace turns the training cache off through them as a checkpointed run does, when the forward fails with it
+    (it was "not estimated":
     the forward with the cache fails in transformers itself for an all-linear-attention stack)."""
     import transformers
 
@@ -443,7 +453,7 @@ def test_use_cache_reaches_a_base_model_through_the_heads_kwargs(tmp_path):
     config.save_pretrained(tmp_path)
     assert "use_cache" not in __import__("inspect").signature(transformers.GraniteMoeHybridForCausalLM.forward).parameters
     result = estimate(str(tmp_path), EstimateOptions(dtypes=("float32",), strategy="ddp", batch_size=2, seq_len=64,
-                                                     gradient_checkpointing=True, device_type="cpu"))
+                                                     device_type="cpu"))
     acts = result.profile.activations
     assert acts.method == "traced" and acts.saved_bytes > 0, acts.note
     assert "without transformers' KV cache" in acts.note
@@ -605,6 +615,11 @@ def test_backward_is_followed_block_by_block_when_the_blocks_differ():
     # saved between two stacks (an encoder-decoder's encoder norm): alive for the blocks after it only
     between = profile.model_copy(update={"activations": acts.model_copy(update={"outside_gap_bytes": [1, 7, 0, 2]})})
     assert _block_phases(between, options, gradients)[0] == value + 7
+    # a gradient the backward of later blocks left waiting (a tensor several blocks take): alive in that block's
+    # phase, growing with the batch
+    waiting = profile.model_copy(update={"activations": acts.model_copy(update={"block_backward_waiting_bytes": [0, 9, 0]})})
+    assert _block_phases(waiting, options, gradients)[0] == value + 9
+    assert _block_phases(waiting, options.model_copy(update={"batch_size": 8}), gradients)[0] == doubled + 18
     # sharded gradients (a layout's gradient bytes per parameter): the gradients' part shrinks with them
     sharded, _ = _block_phases(profile, options, gradients / 4)
     assert sharded == 1 + 10 + 130 + 17
@@ -687,6 +702,30 @@ def test_what_the_stack_keeps_of_a_blocks_outputs_is_measured_from_the_models_ow
     assert _forward_phase(acts, options) - _forward_phase(without, options) == probabilities
     acts, _ = traced(llama, batch_size=2, seq_len=256, device_type="cpu")
     assert acts.block_carry_bytes == [0, 0, 0]
+
+
+def test_a_gradient_several_blocks_add_to_is_held_until_the_backward_of_what_made_it(tmp_path):
+    """T5's first block of each stack makes the position bias (from a trained table) and passes it to the blocks
+    after it; every decoder block attends to the encoder's output. Backward runs the blocks last to first, and the
+    gradient of such a tensor is summed as each block that took it runs backward, alive until the backward of
+    what made it: the first block's, or the encoder's final norm. The fake backward measures what the later blocks
+    left alive when each block's backward begins, besides the gradient that block starts from; a stack that only
+    passes its hidden state on (Llama) leaves nothing waiting."""
+    import transformers
+
+    t5, llama = tmp_path / "t5", tmp_path / "llama"
+    transformers.T5Config(d_model=64, d_kv=32, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=2, vocab_size=500,
+                          architectures=["T5ForConditionalGeneration"]).save_pretrained(t5)
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                             num_key_value_heads=2, vocab_size=500, max_position_embeddings=512, bos_token_id=0,
+                             eos_token_id=0, pad_token_id=0, architectures=["LlamaForCausalLM"]).save_pretrained(llama)
+    bias = 1 * 2 * 256 * 256 * 4  # heads x seq x seq, fp32 (no padding mask given: one for the whole batch)
+    encoder_output = 2 * 256 * 64 * 4
+    acts, _ = traced(t5, batch_size=2, seq_len=256, device_type="cpu")
+    # encoder blocks 0-2, then decoder blocks 3-5: the last block of each stack starts with nothing waiting
+    assert acts.block_backward_waiting_bytes == [bias, bias, 0, bias + encoder_output, bias + encoder_output, 0]
+    acts, _ = traced(llama, batch_size=2, seq_len=256, device_type="cpu")
+    assert acts.block_backward_waiting_bytes == [0, 0, 0]
 
 
 def _dory(folder):
@@ -849,3 +888,92 @@ def test_an_encoder_decoders_training_cache_is_held_by_the_loop_and_counted(tmp_
     measured = train_and_measure(tmp_path, {"batch": 4, "seq": 128, "precision": "no", "checkpointing": False})
     ratio = result.breakdown.device_total_bytes / measured
     assert 0.98 <= ratio <= 1.05, ratio
+
+
+def _real_checkpointed_rises(folder, architecture: str, batch: int, seq: int) -> list[int]:
+    """Per block, in forward order: how far the CPU allocator's holding rose above the block's start during one
+    real forward with transformers' gradient checkpointing (the allocator's own events, bracketed by hooks)."""
+    import torch
+    import transformers
+
+    from prefect_accelerate.memory.measured import batch_for
+    from prefect_accelerate.memory.probe import allocation_recorder
+
+    torch.manual_seed(0)
+    model = getattr(transformers, architecture)._from_config(transformers.AutoConfig.from_pretrained(folder)).train()
+    model.gradient_checkpointing_enable()
+    inputs = batch_for({"library": "transformers", "batch_size": batch, "seq_len": seq}, model, "cpu")
+    marks: list = []
+
+    def enter(*_) -> None:
+        marks.append(torch.autograd.profiler.record_function("block"))
+        marks[-1].__enter__()
+
+    def leave(*_) -> None:
+        marks.pop().__exit__(None, None, None)
+
+    blocks = checkpoint_layers(model)
+    for block in blocks:
+        block.register_forward_pre_hook(enter)
+        block.register_forward_hook(leave)
+    with allocation_recorder() as recorder:
+        model(**inputs)
+    cpu = torch.autograd.DeviceType.CPU
+    events = sorted((e for e in recorder.profiler.kineto_results.events() if e.name() == "[memory]"
+                     and e.device_type() == cpu), key=lambda e: e.start_ns())
+    begin = recorder.profiler.kineto_results.trace_start_ns()
+    held, timeline = 0, []
+    for event in events:
+        held += event.nbytes()
+        timeline.append(((event.start_ns() - begin) / 1000, held))
+    spans = sorted((f.time_range.start, f.time_range.end) for f in recorder.events() if f.name == "block")
+    assert len(spans) == len(blocks)
+    rises = []
+    for start, end in spans:
+        before = next((h for t, h in reversed(timeline) if t < start), 0)
+        rises.append(max((h for t, h in timeline if start <= t <= end), default=before) - before)
+    return rises
+
+
+@pytest.mark.parametrize("family", ["longt5", "llama"])
+def test_a_checkpointed_forward_rises_block_by_block_as_the_second_fake_forward_measures(tmp_path, family):
+    """Checkpointing keeps none of a block's saved tensors in the forward, so a block rises by its temporaries and
+    its output, not by what it saves. The trace keeps every saved tensor (backward needs them), so it runs a second
+    forward on fake tensors whose saved-tensor hooks keep nothing. Its per-block rises are held to the CPU
+    allocator's own, block by block, in a real checkpointed forward; LongT5 at 512 tokens is where the old bound
+    (the traced forward's largest rise, saved tensors included) sat far above it."""
+    import transformers
+
+    if family == "longt5":
+        transformers.LongT5Config(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=2,
+                                  vocab_size=500, architectures=["LongT5ForConditionalGeneration"]).save_pretrained(tmp_path)
+    else:
+        transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                                 num_key_value_heads=2, vocab_size=500, max_position_embeddings=512, bos_token_id=0,
+                                 eos_token_id=0, pad_token_id=0, architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    architecture = transformers.AutoConfig.from_pretrained(tmp_path).architectures[0]
+    acts, _ = traced(tmp_path, batch_size=2, seq_len=512, device_type="cpu", gradient_checkpointing=True)
+    real = _real_checkpointed_rises(tmp_path, architecture, 2, 512)
+    assert len(acts.block_checkpointed_rises) == len(real)
+    for fake, measured in zip(acts.block_checkpointed_rises, real, strict=True):
+        assert abs(fake - measured) <= 0.02 * measured + 4096, (acts.block_checkpointed_rises, real)
+    if family == "longt5":
+        assert max(real) < 0.8 * acts.block_forward_rise_bytes  # what the old bound took for each block
+
+
+def test_under_checkpointing_the_trace_follows_the_models_own_checkpointing_code(tmp_path):
+    """T5's attention, when checkpointing is on, makes the position bias of a block without a learned one (the
+    decoder's cross-attention) a tensor that requires grad, so the blocks that take it make it a gradient too. The
+    trace turns the model's own checkpointing switches on (the blocks still run whole), so that gradient is
+    measured: one more position bias waits in the decoder's backward and stays, as that tensor's .grad, through
+    the encoder's; without checkpointing nothing changes."""
+    import transformers
+
+    transformers.T5Config(d_model=64, d_kv=32, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=2, vocab_size=500,
+                          architectures=["T5ForConditionalGeneration"]).save_pretrained(tmp_path)
+    bias = 1 * 2 * 256 * 256 * 4
+    plain, _ = traced(tmp_path, batch_size=2, seq_len=256, device_type="cpu")
+    checkpointed, _ = traced(tmp_path, batch_size=2, seq_len=256, device_type="cpu", gradient_checkpointing=True)
+    extra = [c - p for c, p in zip(checkpointed.block_backward_waiting_bytes, plain.block_backward_waiting_bytes, strict=True)]
+    assert extra[3:5] == [bias, bias] and all(e >= bias for e in extra[:3]), extra
+    assert plain.block_backward_waiting_bytes[:3] == [bias, bias, 0]
