@@ -67,6 +67,7 @@ def trace_activations(
     device_type: str = "cuda",
     capability: tuple[int, int] | None = None,
     use_cache: bool | None = None,
+    checkpointing: bool = False,
 ) -> ActivationProfile:
     """Run one forward pass of a fake-tensor model and measure what backward will need.
 
@@ -88,6 +89,8 @@ def trace_activations(
         capability: the CUDA compute capability whose kernel rules apply (None: this machine's GPU, else 9.0).
         use_cache: None runs the forward as training runs it (transformers' own ``use_cache``); a forward that
             fails then is run again with False, as gradient checkpointing runs it (and the report says so).
+        checkpointing: the run checkpoints its blocks: a second forward measures each block's rise without its
+            saved tensors (`block_checkpointed_rises`); skipped otherwise, since nothing else reads them.
 
     Returns:
         An ActivationProfile; ``method="not estimated"`` with a note when the inputs are not supported
@@ -174,7 +177,8 @@ def trace_activations(
             handles.clear()
             retried = trace_activations(model, library=library, batch_size=batch_size, seq_len=seq_len,
                                         precision_mode=precision_mode, layout=layout, force_flash=force_flash,
-                                        device_type=device_type, capability=capability, use_cache=False)
+                                        device_type=device_type, capability=capability, use_cache=False,
+                                        checkpointing=checkpointing)
             if retried.method == "traced":
                 why = (f"Traced without transformers' KV cache: the forward of {type(model).__name__} fails with it "
                        f"({type(error).__name__}: {first_line}); gradient checkpointing turns it off, and a run "
@@ -192,7 +196,7 @@ def trace_activations(
 
     recorder.forward_done()
     checkpointed_rises = _checkpointed_rises(
-        model, layers, lambda: _forward_contexts(mode, device_type, force_flash, capability),
+        model, layers if checkpointing else [], lambda: _forward_contexts(mode, device_type, force_flash, capability),
         lambda: _forward_once(model, library, batch_size, used_seq, size if library == "timm" else None, autocast_dtype))
     # a KV cache the output holds: its tensors are mostly the keys/values attention saved anyway; any it
     # holds besides those (transformers may cache keys in another dtype) are alive from forward on

@@ -148,7 +148,8 @@ def measure_profile(source: ModelSource, options: EstimateOptions) -> ModelProfi
             _checkpointing_code_paths(fake)
         return trace_activations(fake, library=source.library, batch_size=options.batch_size,
                                  seq_len=options.seq_len, precision_mode=mode, layout=layout, force_flash=force_flash,
-                                 device_type=options.device_type, capability=_capability(options))
+                                 device_type=options.device_type, capability=_capability(options),
+                                 checkpointing=options.gradient_checkpointing)
 
     def whole_stack() -> Any:
         if dtype == "float32":

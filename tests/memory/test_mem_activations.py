@@ -48,7 +48,9 @@ def _shallow_and_full(folder, precision_mode="fp32", **trace):
     assert plan is not None
     short, _ = build_trained_model(source, False, None, config=plan.config)
     assert builds_the_prefix(plan, short)
-    trace = dict(library="transformers", batch_size=2, seq_len=48, precision_mode=precision_mode, device_type="cpu") | trace
+    # checkpointing: the rises of a forward without saved tensors are measured too, and compared like the rest
+    trace = dict(library="transformers", batch_size=2, seq_len=48, precision_mode=precision_mode, device_type="cpu",
+                 checkpointing=True) | trace
     whole = trace_activations(to_fake(full), **trace)
     extrapolated = trace_activations(to_fake(short), layout=plan.layout, **trace)
     return whole, extrapolated, plan
