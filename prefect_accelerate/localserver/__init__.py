@@ -213,6 +213,26 @@ def healthy(url: str, timeout: float = 5.0) -> bool:
         return False
 
 
+def listens(pid: int, port: int) -> bool:
+    """Whether process `pid` or one of its descendants listens on TCP `port` (the kernel's socket table, through
+    psutil)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return False
+    for process in processes:
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in process.net_connections(kind="tcp")):
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
 def probe(url: str, timeout: float = 5.0) -> str:
     """"ok" (the API answers), "refused" (nothing listens there) or "error" (no answer in time, or an error)."""
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from prefect_accelerate.localserver import (
     KEEPER_START_LIMIT_SECONDS, STOP_GRACE_SECONDS, ServerRecord, _free_port, _log_tail, _port_free, _process,
-    _remove_record, _server_env, _write_record, files_dir, healthy, startup_timeout,
+    _remove_record, _server_env, _write_record, files_dir, healthy, listens, startup_timeout,
 )
 
 
@@ -84,7 +84,9 @@ class _Keeper:
                     continue
                 self._fail(f"`prefect server start` exited with code {code} ({_log_tail(self.home) or 'no output'})")
                 return False
-            if healthy(self.record.url, timeout=2.0):
+            # ready when the API answers at the port and the kernel says our server is the one listening there (the
+            # port is picked before the server binds it: another listener could have taken it and answer meanwhile)
+            if healthy(self.record.url, timeout=2.0) and listens(self.server.pid, self.port):
                 import psutil
 
                 self.record.pid = self.server.pid

@@ -71,7 +71,9 @@ def server_processes(home: Path) -> list[psutil.Process]:
     for proc in psutil.process_iter(["cmdline"]):
         try:
             cmd = proc.info["cmdline"] or []
-            if "server" in cmd and "start" in cmd and any(part.endswith("prefect") for part in cmd) and proc.environ().get("PREFECT_HOME") == str(home):
+            guard = "prefect_accelerate.localserver.guard" in cmd  # the per-command server's guard names it
+            if not guard and "server" in cmd and "start" in cmd and any(part.endswith("prefect") for part in cmd) \
+                    and proc.environ().get("PREFECT_HOME") == str(home):
                 found.append(proc)
         except psutil.Error:
             continue
@@ -316,6 +318,9 @@ def test_a_per_command_server_ends_with_the_command_even_on_sigterm(tmp_path):
         # the server is searched for in a thread while the training starts (cli/tracking.py's ServerSearch): on a
         # loaded machine the workers can be up before that thread has started the server, so wait for it
         servers = _wait_for_servers(home, cli, timeout=120)
+        if not servers:  # say why: what the command printed about its server
+            _end(cli)
+            pytest.fail(f"no per-command server ran with this PREFECT_HOME; the command said: {cli.communicate()[1][-3000:]}")
         tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
         assert len(servers) == 1 and servers[0] in tree and os.getsid(servers[0]) != os.getsid(cli.pid)
         cli.send_signal(signal.SIGTERM)
@@ -325,6 +330,84 @@ def test_a_per_command_server_ends_with_the_command_even_on_sigterm(tmp_path):
     assert cli.returncode == 143 and no_traceback_of_ours(err), err[-3000:]
     assert_all_gone([*workers, *tree], timeout=30)
     assert localserver.read_record(home) is None  # nothing long-lived was started
+
+
+def test_a_per_command_server_outlives_the_search_thread_and_ends_when_its_command_is_killed_9(tmp_path):
+    """The per-command server is started from the search thread, which ends once the server answers; it must live
+    on (a parent death signal, sent when that thread ended, stopped it: the launch was never recorded) and record
+    the launch. When the command is killed with SIGKILL, no `finally` runs: its guard sees the pipe close and ends
+    the server, and the launch's watchdog its workers."""
+    home = tmp_path / "home"
+    env = env_for(home, tmp_path, WORKER_MODE="sleep", WORKER_PID_DIR=str(tmp_path / "pids"), PREFECT_ACCELERATE_SERVER="ephemeral")
+    (tmp_path / "pids").mkdir()
+    cli = subprocess.Popen([*LAUNCH, WORKER], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        workers = wait_for_pids(tmp_path / "pids", 2, timeout=600)
+        servers = _wait_for_servers(home, cli, timeout=120)
+        assert len(servers) == 1, "no per-command server"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not (_listening_port(servers[0]) and
+                                                   localserver.healthy(f"http://127.0.0.1:{_listening_port(servers[0])}/api")):
+            time.sleep(0.2)
+        tree = [p.pid for p in psutil.Process(cli.pid).children(recursive=True)]
+        time.sleep(3)  # it answered, so the search thread has ended: the server still runs and answers
+        assert psutil.Process(servers[0]).status() != psutil.STATUS_ZOMBIE
+        assert localserver.healthy(f"http://127.0.0.1:{_listening_port(servers[0])}/api")
+        cli.kill()
+        cli.wait(timeout=30)
+    finally:
+        _end(cli)
+    assert_all_gone([*workers, *tree], timeout=30)
+
+
+def _listening_port(pid: int) -> int | None:
+    try:
+        return next((c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN), None)
+    except psutil.Error:
+        return None
+
+
+def test_a_per_command_server_whose_port_is_taken_before_it_binds_starts_on_another(tmp_path, monkeypatch):
+    """The port is picked, then bound seconds later by `prefect server start`. Here another listener holds the first
+    port meanwhile, and answers the health check as another Prefect server would: that answer is not taken for
+    ours (the kernel's socket table says who listens), our server fails to bind and exits, and it is started again
+    on another port, which is returned."""
+    import http.server
+    import threading
+
+    from prefect_accelerate.localserver import ephemeral
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's API
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"true")
+
+        def log_message(self, *args) -> None:
+            pass
+
+    squatter = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    taken = squatter.server_address[1]
+    picks = iter([taken])
+    monkeypatch.setattr(ephemeral, "_free_port", lambda: next(picks, None) or localserver._free_port())
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    try:
+        url = ephemeral.start_ephemeral(timeout=240)
+        assert localserver.healthy(url) and f":{taken}/" not in url
+        ours = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()
+                and p.status() != psutil.STATUS_ZOMBIE]
+        guards = [p for p in ours if "prefect_accelerate.localserver.guard" in p.cmdline()]
+        # one guard and its server: the first server, which lost its port, is gone with its guard
+        assert len(ours) == 2 and len(guards) == 1 and localserver.listens(guards[0].pid, int(url.split(":")[2].split("/")[0]))
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+        for process in psutil.Process().children(recursive=True):
+            if process.pid not in before:
+                process.terminate()
+    assert_all_gone([process.pid for process in ours], timeout=30)
 
 
 def test_the_record_of_a_server_is_read_safely_whatever_the_file_holds(tmp_path):
